@@ -215,3 +215,9 @@ class ModelCard(_Wire):
     eos_token_ids: list[int]
     chat_template: str | None = None
     vocab_size: int
+    tokenizer_json: str | None = Field(
+        None, description="the fast tokenizer's JSON (tokenizer.backend_tokenizer.to_str()); lets the API count tokens"
+    )
+    special_tokens: dict[str, str] = Field(
+        default_factory=dict, description="tokenizer.special_tokens_map (bos_token, eos_token, ...) for chat templates"
+    )

@@ -1,0 +1,85 @@
+"""The HTTP API: ``create_app(settings)`` builds a FastAPI app whose lifespan opens Redis and the job queue.
+
+Nothing is opened at import (importing this module must stay fast and must never import torch); each app
+owns its Redis client, queue, model catalog and metrics registry, so tests can run several side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from api.deps import Resources
+from api.errors import install_error_handlers
+from api.metrics import ApiMetrics
+from api.middleware import BodySizeLimitMiddleware, MetricsMiddleware
+from api.routes import health, jobs, openai
+from api.tokenization import ModelCatalog
+from shared.config import Settings
+from shared.queue import JobQueue
+
+log = logging.getLogger(__name__)
+
+
+def reap_interval_s(settings: Settings) -> float:
+    """How often the API reaps expired leases: a few times per lease TTL, so a dead worker's jobs go back
+    to the queue well within one TTL of its lease running out (the workers reap too; this covers none)."""
+    return max(0.5, settings.lease_ttl_s / 3)
+
+
+async def _reap_forever(queue: JobQueue, interval_s: float) -> None:
+    """Requeue jobs whose worker lease expired. A failure (Redis down) is logged and retried next round."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            reaped = await queue.reap_expired()
+            if reaped:
+                log.info("reaped %d jobs with expired leases", reaped)
+        except Exception:
+            log.warning("reaping expired leases failed; retrying in %.1f s", interval_s, exc_info=True)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Open the Redis client, queue and catalog; run the reaper; close them all on shutdown."""
+    settings: Settings = app.state.settings
+    if settings.redis_url is None:
+        raise ValueError("redis_url: the API needs a Redis URL (run_api starts an embedded Redis when unset)")
+    client = aioredis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    queue = JobQueue(client, settings)
+    app.state.resources = Resources(redis=client, queue=queue,
+                                    catalog=ModelCatalog(queue, settings.served_model_name))
+    reaper = asyncio.create_task(_reap_forever(queue, reap_interval_s(settings)), name="lease-reaper")
+    try:
+        yield
+    finally:
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        await client.aclose()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The tokenspool API for ``settings`` (routes, error bodies, body limit, metrics)."""
+    app = FastAPI(
+        title="tokenspool",
+        summary="Queue-backed LLM generation: OpenAI-compatible and job APIs over Redis",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    metrics = ApiMetrics()
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    app.include_router(openai.router)
+    # Added last = outermost: metrics see every answer, including the body limit's 413.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

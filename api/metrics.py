@@ -1,0 +1,45 @@
+"""Prometheus metrics of one API app, in its own ``CollectorRegistry``.
+
+A per-app registry (not prometheus-client's global one) lets tests build many apps in one process and keeps
+metric names from clashing with the worker's when both run in one process. The observability work extends
+this class; routes only call its methods.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ApiMetrics:
+    """Request counts and latency by route template, and jobs submitted by model and endpoint."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tokenspool_api_requests", "HTTP requests answered", ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.request_latency = Histogram(
+            "tokenspool_api_request_duration_seconds", "time from request to the last byte of the response",
+            ["method", "route"], buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.jobs_submitted = Counter(
+            "tokenspool_api_jobs_submitted", "jobs enqueued by this API", ["model", "endpoint"],
+            registry=self.registry,
+        )
+        self.jobs_rejected = Counter(
+            "tokenspool_api_jobs_rejected", "submissions refused", ["reason"], registry=self.registry,
+        )
+        self.open_streams = Gauge(
+            "tokenspool_api_open_streams", "SSE responses in progress", registry=self.registry,
+        )
+
+    def observe_request(self, method: str, route: str, status: int, duration_s: float) -> None:
+        self.requests.labels(method, route, str(status)).inc()
+        self.request_latency.labels(method, route).observe(duration_s)
+
+    def exposition(self) -> bytes:
+        """The text exposition format for ``GET /metrics``."""
+        return generate_latest(self.registry)

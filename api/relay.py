@@ -1,0 +1,132 @@
+"""Relay one job's stream events from Redis to a request, subscribing *before* the job is submitted.
+
+A job submitted first and subscribed to second could emit its first tokens in between; the queue's replay log
+would cover them, but subscribing first makes the fast path a pure live relay. The stream is opened, iterated
+and closed inside one task owned by the relay, so the Redis subscription's lifetime never spans two tasks (the
+HTTP response body runs in another task than the endpoint that decided the status code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from shared.queue import JobQueue
+from shared.schemas import DoneEvent, ErrorEvent, JobRecord, JobSubmission, StreamEvent
+
+_END = object()
+
+
+class _Failure:
+    """An exception raised while relaying, handed to the reader in order."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class JobRelay:
+    """Open a job's stream (from ``after_seq``), optionally submit the job, then relay its events.
+
+    ``start()`` returns once the stream is subscribed and the submission accepted, raising whatever the
+    submission raised (queue full) so the endpoint can still answer with an error status.
+    """
+
+    def __init__(self, queue: JobQueue, job_id: str, *, submission: JobSubmission | None = None,
+                 after_seq: int = 0) -> None:
+        self._queue = queue
+        self.job_id = job_id
+        self._submission = submission
+        self._after_seq = after_seq
+        self._events: asyncio.Queue[Any] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._ready: asyncio.Future[tuple[JobRecord, bool] | None] | None = None
+        self.finished = False  # a DoneEvent or ErrorEvent was relayed: the job needs no cancelling
+
+    async def start(self) -> tuple[JobRecord, bool] | None:
+        """Subscribe, then submit; returns ``queue.submit``'s ``(record, created)`` (None without a submission)."""
+        self._ready = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._run(), name=f"relay-{self.job_id}")
+        try:
+            return await self._ready
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _run(self) -> None:
+        assert self._ready is not None
+        try:
+            async with self._queue.open_stream(self.job_id, after_seq=self._after_seq) as stream:
+                result = await self._queue.submit(self._submission) if self._submission is not None else None
+                self._ready.set_result(result)
+                async for event in stream:
+                    self._events.put_nowait(event)
+        except asyncio.CancelledError:
+            if not self._ready.done():
+                self._ready.cancel()
+            raise
+        except Exception as exc:
+            if not self._ready.done():
+                self._ready.set_exception(exc)
+            else:
+                self._events.put_nowait(_Failure(exc))
+        finally:
+            self._events.put_nowait(_END)
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """The job's events in ``seq`` order, ending after its DoneEvent or ErrorEvent."""
+        while True:
+            item = await self._events.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failure):
+                raise item.exc
+            if isinstance(item, DoneEvent | ErrorEvent):
+                self.finished = True
+            yield item
+
+    async def final(self) -> DoneEvent | ErrorEvent | None:
+        """Wait for the job's terminal event, ignoring the tokens (the non-streaming path)."""
+        async for event in self.events():
+            if isinstance(event, DoneEvent | ErrorEvent):
+                return event
+        return None
+
+    async def close(self) -> None:
+        """Stop relaying and unsubscribe (idempotent; safe from a cancelled scope)."""
+        if self._task is None:
+            return
+        task, self._task = self._task, None
+        task.cancel()
+        with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def run_until_disconnect(work: Callable[[], Awaitable[Any]], receive: Callable[[], Awaitable[Any]]
+                               ) -> tuple[Any, bool]:
+    """Run ``work()`` while watching the client; returns ``(result, False)``, or ``(None, True)`` when the
+    client disconnected first (``work`` is cancelled then). For non-streaming requests that wait on a job."""
+    result: Any = None
+    disconnected = False
+
+    async def run_work() -> None:
+        nonlocal result
+        result = await work()
+        task_group.cancel_scope.cancel()
+
+    async def watch() -> None:
+        nonlocal disconnected
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected = True
+                task_group.cancel_scope.cancel()
+                return
+
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(run_work)
+        task_group.start_soon(watch)
+    return result, disconnected

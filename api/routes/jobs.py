@@ -1,0 +1,242 @@
+"""The job resource: submit (one or a batch), read, stream events (SSE, resumable), cancel.
+
+Jobs submitted here run to completion whoever watches them: a client that drops its event stream reconnects
+with ``Last-Event-ID`` and continues without a gap or a duplicate. Reads are scoped to the API key that
+created the job; another key gets the same 404 as a job that does not exist.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Query, Response
+from pydantic import BaseModel, Field, model_validator
+
+from api.auth import can_access
+from api.deps import CatalogDep, MetricsDep, OwnerDep, QueueDep, SettingsDep
+from api.errors import invalid_request, job_not_found
+from api.relay import JobRelay
+from api.sse import EventStreamResponse, format_event
+from api.submission import (
+    build_submission,
+    check_caps,
+    check_length,
+    count_prompt_tokens,
+    new_job_id,
+    queue_full,
+    resolve_model,
+    submit,
+)
+from api.tokenization import ServedModel
+from shared.config import Settings
+from shared.queue import JobQueue, QueueFullError
+from shared.schemas import (
+    ChatMessage,
+    DoneEvent,
+    ErrorEvent,
+    GenerationParams,
+    JobRecord,
+    JobSubmission,
+    RestartEvent,
+    StreamEvent,
+    TokenEvent,
+)
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
+_PARAM_FIELDS = frozenset(GenerationParams.model_fields)
+_TextPrompt = Annotated[str, Field(min_length=1)]
+_TokenPrompt = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _JobOptions(GenerationParams):
+    """Sampling parameters (flat, as in OpenAI requests) plus what every job request may set."""
+
+    model: str | None = Field(None, description="default: the served model")
+    n: int = Field(1, ge=1, description="choices; capped by the server's max_n")
+    priority: int = Field(0, ge=-1000, le=1000, description="higher runs first")
+    background: bool = Field(False, description="stored with the job; jobs submitted here always run to the end")
+
+    def params(self) -> GenerationParams:
+        return GenerationParams(**self.model_dump(include=_PARAM_FIELDS))
+
+
+class JobCreate(_JobOptions):
+    """``POST /v1/jobs``: exactly one of ``prompt``, ``messages`` or ``prompt_token_ids``."""
+
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200,
+                                        description="a repeated key returns the first job instead of a new one")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> JobCreate:
+        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
+            raise ValueError("exactly one of prompt, messages or prompt_token_ids must be given")
+        return self
+
+
+class JobBatchCreate(_JobOptions):
+    """``POST /v1/jobs/batch``: many prompts (text or token ids) with shared options, one job each."""
+
+    prompts: list[_TextPrompt | _TokenPrompt] = Field(min_length=1)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=190,
+                                        description="job i gets the key '<key>:<i>'")
+
+
+class JobLinks(BaseModel):
+    self: str
+    events: str
+
+
+class JobAccepted(BaseModel):
+    id: str
+    status: str
+    links: JobLinks
+
+
+class JobBatchAccepted(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobAccepted]
+
+
+def _accepted(record: JobRecord) -> JobAccepted:
+    return JobAccepted(id=record.id, status=record.status.value,
+                       links=JobLinks(self=f"/v1/jobs/{record.id}", events=f"/v1/jobs/{record.id}/events"))
+
+
+def _prepare(settings: Settings, model: ServedModel, options: _JobOptions, owner: str | None, *,
+             prompt: str | None = None, messages: list[ChatMessage] | None = None,
+             prompt_token_ids: list[int] | None = None, idempotency_key: str | None = None) -> JobSubmission:
+    params = options.params()
+    num_prompt_tokens = count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                            messages=messages)
+    check_length(model, num_prompt_tokens, params.max_tokens, param="messages" if messages else "prompt")
+    return build_submission(job_id=new_job_id(), model=model, params=params, owner=owner, n=options.n,
+                            priority=options.priority, background=options.background, prompt=prompt,
+                            prompt_token_ids=prompt_token_ids, messages=messages, idempotency_key=idempotency_key)
+
+
+@router.post("", status_code=202, response_model=JobAccepted)
+async def create_job(body: JobCreate, response: Response, settings: SettingsDep, queue: QueueDep,
+                     catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep) -> JobAccepted:
+    """Enqueue one job. A repeated ``idempotency_key`` answers 200 with the first job (``Idempotent-Replayed``)."""
+    check_caps(settings, max_tokens=body.max_tokens, n=body.n)
+    model = await resolve_model(catalog, body.model)
+    submission = _prepare(settings, model, body, owner, prompt=body.prompt, messages=body.messages,
+                          prompt_token_ids=body.prompt_token_ids, idempotency_key=body.idempotency_key)
+    record, created = await submit(queue, submission, metrics, endpoint="jobs")
+    if not created:
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+    return _accepted(record)
+
+
+@router.post("/batch", status_code=202, response_model=JobBatchAccepted)
+async def create_jobs(body: JobBatchCreate, settings: SettingsDep, queue: QueueDep, catalog: CatalogDep,
+                      metrics: MetricsDep, owner: OwnerDep) -> JobBatchAccepted:
+    """Enqueue one job per prompt, all or none: a queue that fills up midway cancels those already queued."""
+    if len(body.prompts) > settings.max_batch_size:
+        raise invalid_request(f"at most {settings.max_batch_size} prompts per batch, got {len(body.prompts)}",
+                              param="prompts")
+    check_caps(settings, max_tokens=body.max_tokens, n=body.n)
+    model = await resolve_model(catalog, body.model)
+    submissions = [
+        _prepare(settings, model, body, owner,
+                 prompt=p if isinstance(p, str) else None, prompt_token_ids=p if isinstance(p, list) else None,
+                 idempotency_key=f"{body.idempotency_key}:{i}" if body.idempotency_key else None)
+        for i, p in enumerate(body.prompts)
+    ]
+    records: list[JobRecord] = []
+    try:
+        for submission in submissions:
+            record, created = await queue.submit(submission)
+            records.append(record)
+            if created:
+                metrics.jobs_submitted.labels(submission.model, "batch").inc()
+    except QueueFullError as exc:
+        for record in records:
+            await queue.cancel(record.id)
+        raise queue_full(exc, metrics) from exc
+    return JobBatchAccepted(data=[_accepted(r) for r in records])
+
+
+async def _owned(queue: JobQueue, job_id: str, owner: str | None) -> JobSubmission:
+    """The job's submission if the caller may see it; else the same 404 as for a job that does not exist."""
+    if not _JOB_ID.match(job_id):
+        raise job_not_found(job_id)
+    submission = await queue.get_submission(job_id)
+    if submission is None or not can_access(owner, submission.owner):
+        raise job_not_found(job_id)
+    return submission
+
+
+@router.get("/{job_id}", response_model=JobRecord)
+async def get_job(job_id: str, queue: QueueDep, owner: OwnerDep) -> JobRecord:
+    await _owned(queue, job_id, owner)
+    record = await queue.get(job_id)
+    if record is None:
+        raise job_not_found(job_id)
+    return record
+
+
+@router.delete("/{job_id}", response_model=JobRecord)
+async def cancel_job(job_id: str, queue: QueueDep, owner: OwnerDep) -> JobRecord:
+    """Cancel a queued or running job; a finished job is returned unchanged."""
+    await _owned(queue, job_id, owner)
+    record = await queue.cancel(job_id)
+    if record is None:
+        raise job_not_found(job_id)
+    return record
+
+
+@router.get("/{job_id}/events", response_class=Response,
+            responses={200: {"content": {"text/event-stream": {}}, "description": "SSE: token|restart|done|error"}})
+async def job_events(job_id: str, queue: QueueDep, metrics: MetricsDep, owner: OwnerDep,
+                     last_event_id: Annotated[str | None, Header()] = None,
+                     after: Annotated[int | None, Query(ge=0, description="as Last-Event-ID")] = None
+                     ) -> EventStreamResponse:
+    """The job's events from the start, or after ``Last-Event-ID``: ``id: <seq>``, ``event: <type>``,
+    ``data: <json>``. The stream ends after ``done`` (data: the final job) or ``error``."""
+    await _owned(queue, job_id, owner)
+    after_seq = after if after is not None else _parse_last_event_id(last_event_id)
+    relay = JobRelay(queue, job_id, after_seq=after_seq)
+    await relay.start()
+    return EventStreamResponse(_job_event_stream(relay, metrics))
+
+
+def _parse_last_event_id(value: str | None) -> int:
+    if value is None or not value.strip():
+        return 0
+    try:
+        seq = int(value.strip())
+    except ValueError:
+        raise invalid_request("Last-Event-ID must be an event id (a sequence number)",
+                              param="Last-Event-ID") from None
+    if seq < 0:
+        raise invalid_request("Last-Event-ID must not be negative", param="Last-Event-ID")
+    return seq
+
+
+def _event_data(event: StreamEvent) -> dict[str, Any]:
+    if isinstance(event, DoneEvent):
+        return event.job.model_dump(mode="json")
+    data: dict[str, Any] = event.model_dump(mode="json", exclude={"type"})
+    return data
+
+
+async def _job_event_stream(relay: JobRelay, metrics: MetricsDep) -> AsyncIterator[bytes]:
+    metrics.open_streams.inc()
+    try:
+        async for event in relay.events():
+            assert isinstance(event, TokenEvent | RestartEvent | DoneEvent | ErrorEvent)
+            yield format_event(_event_data(event), event=event.type, id=event.seq)
+    except Exception as exc:  # Redis went away mid-stream: say so in-band, the client may resume later
+        yield format_event({"message": f"the event stream failed: {exc}"}, event="error")
+    finally:
+        metrics.open_streams.dec()
+        await relay.close()

@@ -1,0 +1,216 @@
+"""OpenAI-compatible endpoints. Every request becomes a job (``cmpl-<job id>`` is ``GET /v1/jobs/<job id>``).
+
+The job's stream is subscribed before the job is enqueued; streamed responses relay deltas as they arrive,
+non-streamed ones wait for the final record. A client that disconnects cancels its job unless it asked for
+``background: true``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel
+
+from api.deps import CatalogDep, MetricsDep, OwnerDep, QueueDep, SettingsDep
+from api.errors import APIError, invalid_request
+from api.openai_format import chat_response, completion_response
+from api.openai_models import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageIn,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    ModelObject,
+    SamplingRequest,
+)
+from api.openai_stream import ChatChunks, ChunkFormat, CompletionChunks, openai_stream
+from api.relay import JobRelay, run_until_disconnect
+from api.sse import EventStreamResponse
+from api.submission import (
+    build_params,
+    build_submission,
+    check_caps,
+    check_length,
+    count_prompt_tokens,
+    default_max_tokens,
+    new_job_id,
+    queue_full,
+    resolve_model,
+)
+from shared.queue import JobQueue, QueueFullError
+from shared.schemas import ChatMessage, DoneEvent, GenerationParams, JobRecord, JobStatus, JobSubmission
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(catalog: CatalogDep, _owner: OwnerDep) -> ModelList:
+    """The served models: every model a worker has published, plus the configured one."""
+    data = []
+    for name in await catalog.names():
+        model = await catalog.get(name)
+        data.append(ModelObject(id=name, max_model_len=model.max_model_len if model else None))
+    return ModelList(data=data)
+
+
+@router.post("/completions", response_model=CompletionResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
+async def create_completion(body: CompletionRequest, request: Request, settings: SettingsDep, queue: QueueDep,
+                            catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep) -> Response:
+    _reject_unsupported_completion(body)
+    check_caps(settings, max_tokens=body.max_tokens, n=body.n)
+    prompt, prompt_token_ids = _single_prompt(body.prompt)
+    model = await resolve_model(catalog, body.model)
+    num_prompt_tokens = count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
+    params = _params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
+    job_id = new_job_id()
+    submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,
+                                  priority=body.priority, background=body.background, prompt=prompt,
+                                  prompt_token_ids=prompt_token_ids)
+    created = int(time.time())
+    fmt = CompletionChunks(f"cmpl-{job_id}", created, model.name, body.logprobs is not None)
+
+    def render(job: JobRecord) -> CompletionResponse:
+        return completion_response(job, completion_id=f"cmpl-{job_id}", created=created, n=body.n,
+                                   want_logprobs=body.logprobs is not None)
+
+    return await _run_job(request, queue, metrics, submission, body, fmt, render, endpoint="completions")
+
+
+@router.post("/chat/completions", response_model=ChatCompletionResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, settings: SettingsDep,
+                                 queue: QueueDep, catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep
+                                 ) -> Response:
+    _reject_unsupported_chat(body)
+    requested_max = body.max_completion_tokens or body.max_tokens
+    check_caps(settings, max_tokens=requested_max, n=body.n)
+    messages = _chat_messages(body.messages)
+    model = await resolve_model(catalog, body.model)
+    num_prompt_tokens = count_prompt_tokens(model, messages=messages)
+    max_tokens = requested_max or default_max_tokens(settings, model, num_prompt_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = _params(body, max_tokens=max_tokens, logprobs=logprobs)
+    check_length(model, num_prompt_tokens, params.max_tokens, param="messages")
+    job_id = new_job_id()
+    submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,
+                                  priority=body.priority, background=body.background, messages=messages)
+    created = int(time.time())
+    fmt = ChatChunks(f"chatcmpl-{job_id}", created, model.name, body.logprobs)
+
+    def render(job: JobRecord) -> ChatCompletionResponse:
+        return chat_response(job, completion_id=f"chatcmpl-{job_id}", created=created, n=body.n,
+                             want_logprobs=body.logprobs)
+
+    return await _run_job(request, queue, metrics, submission, body, fmt, render, endpoint="chat")
+
+
+async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submission: JobSubmission,
+                   body: SamplingRequest, fmt: ChunkFormat, render: Callable[[JobRecord], BaseModel],
+                   endpoint: str) -> Response:
+    """Subscribe, enqueue, then stream the job or wait for it; cancel it if the client leaves."""
+    relay = JobRelay(queue, submission.id, submission=submission)
+    try:
+        await relay.start()
+    except QueueFullError as exc:
+        raise queue_full(exc, metrics) from exc
+    metrics.jobs_submitted.labels(submission.model, endpoint).inc()
+
+    async def cancel_if_abandoned() -> None:
+        if not submission.background and not relay.finished:
+            await queue.cancel(submission.id)
+
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        stream = openai_stream(relay, fmt, n=submission.n, include_usage=include_usage, metrics=metrics)
+        return EventStreamResponse(stream, on_disconnect=cancel_if_abandoned)
+    try:
+        final, disconnected = await run_until_disconnect(relay.final, request.receive)
+    finally:
+        await relay.close()
+    if disconnected:
+        with anyio.CancelScope(shield=True):
+            await cancel_if_abandoned()
+        return Response(status_code=499)  # nobody reads this: the client is gone
+    if not isinstance(final, DoneEvent):
+        message = final.message if final is not None else "the job's stream ended without a result"
+        raise APIError(500, message, type="server_error", code="job_lost")
+    if final.job.status == JobStatus.FAILED:
+        raise APIError(500, final.job.error or "the job failed", type="server_error", code="job_failed")
+    return Response(render(final.job).model_dump_json(), media_type="application/json")
+
+
+def _params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop) if body.stop is not None else None
+    return build_params({
+        "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+        "min_p": body.min_p, "repetition_penalty": body.repetition_penalty,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "seed": body.seed, "stop": stop, "stop_token_ids": tuple(body.stop_token_ids or ()) or None,
+        "ignore_eos": body.ignore_eos, "min_tokens": body.min_tokens, "logprobs": logprobs,
+    })
+
+
+def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str | None, list[int] | None]:
+    """One prompt as ``(text, None)`` or ``(None, token_ids)``; a batch of prompts is refused."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if not prompt:
+        raise invalid_request("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return None, [int(p) for p in prompt if isinstance(p, int)]
+    if len(prompt) != 1:
+        raise invalid_request("one prompt per request; submit many prompts with POST /v1/jobs/batch",
+                              param="prompt")
+    only = prompt[0]
+    if isinstance(only, str):
+        return only, None
+    if isinstance(only, list) and only:
+        return None, list(only)
+    raise invalid_request("prompt must not be empty", param="prompt")
+
+
+def _chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """OpenAI messages as wire ChatMessages: text content only (content parts joined)."""
+    out = []
+    for i, message in enumerate(messages):
+        if message.role not in _CHAT_ROLES:
+            raise invalid_request(f"role must be one of {', '.join(_CHAT_ROLES)}", param=f"messages.{i}.role")
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise invalid_request("only text content parts are supported", param=f"messages.{i}.content")
+            content = "\n".join(part.text or "" for part in content)
+        if content is None:
+            raise invalid_request("message content is required", param=f"messages.{i}.content")
+        out.append(ChatMessage(role=message.role, content=content))  # type: ignore[arg-type]
+    return out
+
+
+def _reject_unsupported_completion(body: CompletionRequest) -> None:
+    if body.echo:
+        raise invalid_request("echo is not supported", param="echo")
+    if body.suffix:
+        raise invalid_request("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid_request("best_of is not supported (other than best_of == n)", param="best_of")
+    if body.logit_bias:
+        raise invalid_request("logit_bias is not supported", param="logit_bias")
+
+
+def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
+    if body.tools:
+        raise invalid_request("tools are not supported", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise invalid_request("only response_format type 'text' is supported", param="response_format")
+    if body.top_logprobs and not body.logprobs:
+        raise invalid_request("top_logprobs requires logprobs: true", param="top_logprobs")
+    if body.logit_bias:
+        raise invalid_request("logit_bias is not supported", param="logit_bias")

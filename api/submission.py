@@ -1,0 +1,135 @@
+"""Turning a validated request into a ``JobSubmission``: model, caps, prompt length, ownership, queue limits.
+
+Both the job endpoints and the OpenAI endpoints go through here, so a limit is enforced the same way (and with
+the same error) whichever door a request came in by.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+from api.chat_template import ChatTemplateError
+from api.errors import APIError, invalid_request
+from api.metrics import ApiMetrics
+from api.tokenization import ModelCatalog, ServedModel
+from shared.config import Settings
+from shared.queue import JobQueue, QueueFullError
+from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission
+
+
+def new_job_id() -> str:
+    """A fresh job id: 32 hex characters (JobSubmission allows ``[A-Za-z0-9_-]{8,64}``)."""
+    return uuid.uuid4().hex
+
+
+async def resolve_model(catalog: ModelCatalog, name: str | None) -> ServedModel:
+    """The requested model (default: the served one); 404 ``model_not_found`` for an unknown name."""
+    model_name = name or await catalog.default_name()
+    model = await catalog.get(model_name)
+    if model is None:
+        served = ", ".join(await catalog.names())
+        raise APIError(404, f"model {model_name!r} does not exist; served: {served}", param="model",
+                       code="model_not_found")
+    return model
+
+
+def check_caps(settings: Settings, *, max_tokens: int | None, n: int) -> None:
+    """The server's caps on one request, beyond the schema's own ranges."""
+    if max_tokens is not None and max_tokens > settings.max_tokens_cap:
+        raise invalid_request(f"max_tokens must be at most {settings.max_tokens_cap}, got {max_tokens}",
+                              param="max_tokens", code="max_tokens_too_large")
+    if n > settings.max_n:
+        raise invalid_request(f"n must be between 1 and {settings.max_n}, got {n}", param="n")
+
+
+def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str | None:
+    """The model's chat template applied to ``messages`` (None when the model has no card yet)."""
+    if model.card is None:
+        return None
+    if model.chat_template is None:
+        raise invalid_request(f"model {model.name!r} has no chat template; send a plain prompt instead",
+                              param="messages", code="no_chat_template")
+    try:
+        return model.chat_template.render([m.model_dump() for m in messages], add_generation_prompt=True)
+    except ChatTemplateError as exc:
+        raise invalid_request(f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+
+def count_prompt_tokens(model: ServedModel, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                        messages: list[ChatMessage] | None = None) -> int | None:
+    """Prompt tokens as the worker will see them; None when the API cannot know (no tokenizer yet).
+
+    Token ids are also range-checked here: an id past the vocabulary would fail deep inside the worker.
+    """
+    if prompt_token_ids is not None:
+        if model.card is not None and any(t >= model.card.vocab_size for t in prompt_token_ids):
+            raise invalid_request(f"prompt token ids must be below the vocabulary size {model.card.vocab_size}",
+                                  param="prompt_token_ids")
+        return len(prompt_token_ids)
+    if messages is not None:
+        rendered = render_chat(model, messages)
+        return model.count_chat_tokens(rendered) if rendered is not None else None
+    assert prompt is not None
+    return model.count_prompt_tokens(prompt)
+
+
+def default_max_tokens(settings: Settings, model: ServedModel, num_prompt_tokens: int | None) -> int:
+    """For chat requests without a limit: the rest of the context window, within the server's cap."""
+    if model.max_model_len is None or num_prompt_tokens is None:
+        return settings.max_tokens_cap
+    return max(1, min(settings.max_tokens_cap, model.max_model_len - num_prompt_tokens))
+
+
+def check_length(model: ServedModel, num_prompt_tokens: int | None, max_tokens: int, param: str) -> None:
+    """400 ``context_length_exceeded`` when prompt + completion cannot fit the model's context window."""
+    limit = model.max_model_len
+    if limit is None or num_prompt_tokens is None:
+        return
+    if num_prompt_tokens + max_tokens > limit:
+        raise invalid_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            param=param, code="context_length_exceeded",
+        )
+
+
+def build_params(fields: dict[str, Any]) -> GenerationParams:
+    """``GenerationParams`` from request fields, dropping unset (None) ones so the defaults apply."""
+    return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def build_submission(*, job_id: str, model: ServedModel, params: GenerationParams, owner: str | None, n: int,
+                     priority: int, background: bool, idempotency_key: str | None = None,
+                     prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                     messages: list[ChatMessage] | None = None) -> JobSubmission:
+    """The wire job. Idempotency keys need no scoping here: the queue keys them by owner, so two tenants
+    choosing the same key never see each other's job."""
+    return JobSubmission(
+        id=job_id, model=model.name, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+        params=params, n=n, priority=priority, idempotency_key=idempotency_key,
+        owner=owner, background=background, created_at=time.time(),
+    )
+
+
+def queue_full(exc: QueueFullError, metrics: ApiMetrics) -> APIError:
+    """429 with ``Retry-After`` (whole seconds, at least 1) from the queue's estimate."""
+    metrics.jobs_rejected.labels("queue_full").inc()
+    retry_after = max(1, math.ceil(exc.retry_after_s))
+    return APIError(429, f"the queue is full; retry after {retry_after} s", code="queue_full",
+                    headers={"Retry-After": str(retry_after)})
+
+
+async def submit(queue: JobQueue, submission: JobSubmission, metrics: ApiMetrics, endpoint: str
+                 ) -> tuple[JobRecord, bool]:
+    """Enqueue (no stream); 429 when the model's queue is full."""
+    try:
+        record, created = await queue.submit(submission)
+    except QueueFullError as exc:
+        raise queue_full(exc, metrics) from exc
+    if created:
+        metrics.jobs_submitted.labels(submission.model, endpoint).inc()
+    return record, created

@@ -1,0 +1,136 @@
+"""The served models as the API sees them: ModelCards from Redis, with a tokenizer and chat template each.
+
+Workers publish a ``ModelCard`` (including the fast tokenizer's JSON) when they register. The API builds a
+``tokenizers.Tokenizer`` from it, never ``transformers`` (which would import torch and take seconds). Cards are
+re-read at most every ``refresh_s`` so a new worker's model appears quickly, and a tokenizer or template is
+rebuilt only when its source text changed (building SmolLM2's tokenizer takes ~50 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from api.chat_template import ChatTemplate
+from shared.queue import JobQueue
+from shared.schemas import ModelCard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model clients may ask for. ``card`` is None when the API is configured for a model that no worker
+    has published yet: jobs for it are still queued (a worker may start later) but not length-checked."""
+
+    name: str
+    card: ModelCard | None
+    tokenizer: Tokenizer | None
+    chat_template: ChatTemplate | None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.card.max_model_len if self.card else None
+
+    def count_prompt_tokens(self, prompt: str) -> int | None:
+        """Tokens of a plain prompt (with the tokenizer's BOS etc., as the worker encodes it); None = unknown."""
+        if self.tokenizer is None:
+            return None
+        return len(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+
+    def count_chat_tokens(self, rendered: str) -> int | None:
+        """Tokens of a rendered chat template (no special tokens added: the template writes them)."""
+        if self.tokenizer is None:
+            return None
+        return len(self.tokenizer.encode(rendered, add_special_tokens=False).ids)
+
+
+@dataclass
+class _Built:
+    source: str
+    value: Any
+
+
+class ModelCatalog:
+    """Per-app cache of served models, refreshed from the queue's model cards."""
+
+    def __init__(self, queue: JobQueue, configured_model: str, refresh_s: float = 5.0) -> None:
+        self._queue = queue
+        self._configured_model = configured_model
+        self._refresh_s = refresh_s
+        self._cards: dict[str, ModelCard] = {}
+        self._fetched_at = float("-inf")
+        self._lock = asyncio.Lock()
+        self._tokenizers: dict[str, _Built] = {}
+        self._templates: dict[str, _Built] = {}
+
+    async def _refresh(self) -> None:
+        if time.monotonic() - self._fetched_at < self._refresh_s:
+            return
+        async with self._lock:  # one Redis read per refresh however many requests are waiting
+            if time.monotonic() - self._fetched_at < self._refresh_s:
+                return
+            cards = await self._queue.model_cards()
+            self._cards = {card.name: card for card in cards}
+            self._fetched_at = time.monotonic()
+
+    async def names(self) -> list[str]:
+        """Every model a request may name: those with a published card, plus the configured one."""
+        await self._refresh()
+        return sorted(set(self._cards) | {self._configured_model})
+
+    async def default_name(self) -> str:
+        """The model used when a request names none: the configured one if it is served (or nothing is
+        published yet), else the only/first published model."""
+        await self._refresh()
+        if self._configured_model in self._cards or not self._cards:
+            return self._configured_model
+        return sorted(self._cards)[0]
+
+    async def get(self, name: str) -> ServedModel | None:
+        """The served model called ``name``, or None when no such model is known."""
+        await self._refresh()
+        card = self._cards.get(name)
+        if card is None and name not in self._cards:
+            # A model that just appeared must not wait for the next refresh to become usable.
+            card = await self._queue.model_card(name)
+            if card is not None:
+                self._cards[name] = card
+        if card is None:
+            if name != self._configured_model:
+                return None
+            return ServedModel(name=name, card=None, tokenizer=None, chat_template=None)
+        return ServedModel(name=name, card=card, tokenizer=self._tokenizer(card),
+                           chat_template=self._chat_template(card))
+
+    def _tokenizer(self, card: ModelCard) -> Tokenizer | None:
+        if card.tokenizer_json is None:
+            return None
+        built = self._tokenizers.get(card.name)
+        if built is None or built.source != card.tokenizer_json:
+            try:
+                built = _Built(card.tokenizer_json, Tokenizer.from_str(card.tokenizer_json))
+            except Exception:
+                # A card from a newer/odd tokenizers version: serve without API-side counting, say so once.
+                log.warning("cannot build the tokenizer of model %s; prompt lengths are checked by the worker only",
+                            card.name, exc_info=True)
+                built = _Built(card.tokenizer_json, None)
+            self._tokenizers[card.name] = built
+        tokenizer: Tokenizer | None = built.value
+        return tokenizer
+
+    def _chat_template(self, card: ModelCard) -> ChatTemplate | None:
+        if card.chat_template is None:
+            return None
+        key = card.chat_template + "\0" + repr(sorted(card.special_tokens.items()))
+        built = self._templates.get(card.name)
+        if built is None or built.source != key:
+            built = _Built(key, ChatTemplate(card.chat_template, card.special_tokens))
+            self._templates[card.name] = built
+        template: ChatTemplate = built.value
+        return template

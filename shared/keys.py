@@ -1,0 +1,91 @@
+"""Every Redis key, channel and TTL tokenspool uses, in one place (see docs/protocol.md).
+
+All names start with ``ts:``. The keys of one job share the hash tag ``{<job_id>}`` and the keys of one
+model's queue share ``{<model>}``, so each group maps to one Cluster slot. The transition scripts (submit,
+claim, reap, ...) nevertheless touch a model's queue, the global in-flight set and a job's keys atomically,
+and claim/reap only learn job ids inside the script; tokenspool therefore runs on a single Redis node (with
+replicas if wanted), not on Redis Cluster. The tags keep a later port (a queue per slot) a rename away.
+
+Scripts that derive job keys from ids they discover (claim, reap, cancel) receive the prefix and suffixes
+defined here as arguments, so no key format is ever spelled a second time in Lua.
+"""
+
+from __future__ import annotations
+
+PREFIX = "ts:"
+
+# A job's keys are JOB_PREFIX + job_id + one of the suffixes below.
+JOB_PREFIX = f"{PREFIX}job:{{"
+JOB_SUFFIX = "}"
+LOG_SUFFIX = "}:log"
+LIVE_SUFFIX = "}:live"
+
+INFLIGHT = f"{PREFIX}inflight"  # zset: job_id -> lease deadline (Redis server time, seconds)
+DEAD_LETTER = f"{PREFIX}dead"  # zset: job_id -> time it was given up on
+WORKERS = f"{PREFIX}workers"  # zset: worker_id -> last heartbeat (Redis server time)
+MODEL_CARDS = f"{PREFIX}models"  # hash: served model name -> ModelCard JSON
+
+# A dead-letter entry and a stale worker entry are pruned after this many seconds.
+DEAD_LETTER_KEEP_S = 7 * 86_400
+# A worker's WorkerInfo key lives this many lease TTLs past its last heartbeat.
+WORKER_INFO_TTL_LEASES = 3
+# Idempotency keys of jobs that are still queued or running never expire; at the job's terminal
+# transition they get the job's result TTL.
+
+
+def job(job_id: str) -> str:
+    """Hash: the job record (status, submission JSON, result JSON, timestamps, fence, seq counter)."""
+    return f"{JOB_PREFIX}{job_id}{JOB_SUFFIX}"
+
+
+def job_log(job_id: str) -> str:
+    """Stream: the job's replay log; entry id ``<seq>-0``, fields ``seq`` and ``data`` (event JSON)."""
+    return f"{JOB_PREFIX}{job_id}{LOG_SUFFIX}"
+
+
+def job_live(job_id: str) -> str:
+    """Pub/sub channel: every event appended to the replay log is also published here, same JSON."""
+    return f"{JOB_PREFIX}{job_id}{LIVE_SUFFIX}"
+
+
+QUEUE_PREFIX = f"{PREFIX}queue:{{"
+QUEUE_SUFFIX = "}"
+QUEUE_SEQ_SUFFIX = "}:seq"
+
+
+def queue(model: str) -> str:
+    """Sorted set: queued job ids of one model, score ``-priority * 2**32 + seq`` (lowest first)."""
+    return f"{QUEUE_PREFIX}{model}{QUEUE_SUFFIX}"
+
+
+def queue_seq(model: str) -> str:
+    """Counter: the FIFO sequence number of the model's latest submission."""
+    return f"{QUEUE_PREFIX}{model}{QUEUE_SEQ_SUFFIX}"
+
+
+IDEMPOTENCY_PREFIX = f"{PREFIX}idem:"
+
+
+def idempotency(owner: str | None, key: str) -> str:
+    """String: the job id submitted under ``key`` by ``owner`` (``-`` when there is no owner)."""
+    return f"{IDEMPOTENCY_PREFIX}{owner or '-'}:{key}"
+
+
+WORKER_PREFIX = f"{PREFIX}worker:"
+WORKER_CANCELS_SUFFIX = ":cancels"
+CONTROL_PREFIX = f"{PREFIX}control:"
+
+
+def worker_info(worker_id: str) -> str:
+    """String: the worker's latest WorkerInfo JSON, expiring when its heartbeats stop."""
+    return f"{WORKER_PREFIX}{worker_id}"
+
+
+def worker_cancels(worker_id: str) -> str:
+    """Set: ids of the worker's running jobs whose cancellation it has not finalised yet (durable)."""
+    return f"{WORKER_PREFIX}{worker_id}{WORKER_CANCELS_SUFFIX}"
+
+
+def control(worker_id: str) -> str:
+    """Pub/sub channel: job ids the worker must abort now (the fast path beside ``worker_cancels``)."""
+    return f"{CONTROL_PREFIX}{worker_id}"

@@ -1,0 +1,468 @@
+"""The job queue: the Redis job protocol seen from Python (docs/protocol.md), for the API and the workers.
+
+Every state change is one Lua script (``shared/lua``), so the queue stays consistent whatever mix of API
+processes, workers and other backends uses it at once. Reads are plain commands. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared import keys
+from shared.config import Settings
+from shared.schemas import (
+    DoneEvent,
+    ErrorEvent,
+    JobRecord,
+    JobResult,
+    JobStatus,
+    JobSubmission,
+    ModelCard,
+    RestartEvent,
+    StreamEvent,
+    TokenEvent,
+    Usage,
+    WorkerInfo,
+)
+from shared.scripts import Scripts
+
+log = logging.getLogger(__name__)
+
+STREAM_EVENTS: TypeAdapter[TokenEvent | RestartEvent | DoneEvent | ErrorEvent] = TypeAdapter(StreamEvent)
+REAP_BATCH = 100
+REPLAY_CHUNK = 1000
+# Redis errors a stream or cancellation listener rides out by reconnecting.
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class QueueFullError(Exception):
+    """The model's queue holds ``max_queue_length`` jobs; the client should retry after ``retry_after_s``."""
+
+    def __init__(self, model: str, depth: int, retry_after_s: int) -> None:
+        super().__init__(f"queue of model {model!r} is full ({depth} jobs); retry after {retry_after_s} s")
+        self.model = model
+        self.depth = depth
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    """A job a worker now holds: its ``fence`` must accompany every write, ``attempt`` counts from 1."""
+
+    submission: JobSubmission
+    fence: int
+    attempt: int
+
+
+def _text(value: Any) -> str:
+    """Redis replies as text, whether or not the client decodes responses."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, str]:
+    """A flat ``[field, value, ...]`` script reply (HGETALL inside Lua) as a dict."""
+    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _float(fields: dict[str, str], name: str) -> float | None:
+    value = fields.get(name)
+    return float(value) if value else None
+
+
+def record_from_fields(fields: dict[str, str]) -> JobRecord:
+    """Build a JobRecord from the job hash (field names in docs/protocol.md); ``text`` mirrors choice 0."""
+    result = JobResult.model_validate_json(fields["result"]) if fields.get("result") else None
+    first = result.choices[0] if result and result.choices else None
+    return JobRecord(
+        id=fields["id"],
+        model=fields["model"],
+        status=JobStatus(fields["status"]),
+        priority=int(fields.get("priority", 0)),
+        attempts=int(fields.get("attempts", 0)),
+        text=first.text if first else None,
+        finish_reason=first.finish_reason if first else None,
+        choices=result.choices if result else [],
+        usage=result.usage if result else Usage(),
+        error=fields.get("error"),
+        worker_id=fields.get("worker_id") or None,
+        created_at=_float(fields, "created_at"),
+        started_at=_float(fields, "started_at"),
+        first_token_at=_float(fields, "first_token_at"),
+        finished_at=_float(fields, "finished_at"),
+    )
+
+
+class JobQueue:
+    """Client and worker side of the job protocol over one ``redis.asyncio.Redis`` client."""
+
+    def __init__(self, redis: Redis, settings: Settings, poll_interval_s: float = 2.0) -> None:
+        self._redis = redis
+        self._settings = settings
+        self._scripts = Scripts.load(redis)
+        # A stream or cancellation listener re-checks Redis after this long without a message, so a missed
+        # pub/sub message (a reconnect) costs at most this delay and a finished job never hangs a reader.
+        self._poll_s = poll_interval_s
+        self._ctx = json.dumps({
+            "job_prefix": keys.JOB_PREFIX, "job_suffix": keys.JOB_SUFFIX, "log_suffix": keys.LOG_SUFFIX,
+            "live_suffix": keys.LIVE_SUFFIX, "queue_prefix": keys.QUEUE_PREFIX, "queue_suffix": keys.QUEUE_SUFFIX,
+            "worker_prefix": keys.WORKER_PREFIX, "cancels_suffix": keys.WORKER_CANCELS_SUFFIX,
+            "control_prefix": keys.CONTROL_PREFIX, "lease_ttl_s": settings.lease_ttl_s,
+            "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
+            "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
+        })
+        self._cards_sent: set[str] = set()
+
+    @property
+    def redis(self) -> Redis:
+        return self._redis
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self._poll_s
+
+    # --- client side ------------------------------------------------------------------------------------
+
+    async def submit(self, job: JobSubmission) -> tuple[JobRecord, bool]:
+        """Enqueue ``job`` (its id is given by the caller). Returns ``(record, created)``; an idempotency key
+        already used by the same owner returns the existing job with ``created=False``.
+
+        Raises QueueFullError when the model's queue is at ``max_queue_length``, ValueError for a taken id.
+        """
+        job_keys = [keys.job(job.id), keys.queue(job.model), keys.queue_seq(job.model)]
+        if job.idempotency_key is not None:
+            job_keys.append(keys.idempotency(job.owner, job.idempotency_key))
+        try:
+            reply = await self._scripts.submit(keys=job_keys, args=[job.model_dump_json(),
+                                                                   self._settings.max_queue_length])
+        except ResponseError as exc:
+            raise ValueError(f"id: {exc}") from exc
+        outcome = _text(reply[0])
+        if outcome == "full":
+            retry_after = max(1, math.ceil(self._settings.heartbeat_interval_s))
+            raise QueueFullError(job.model, int(reply[1]), retry_after)
+        return record_from_fields(_pairs(reply[1])), outcome == "created"
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        """The job's record, or None when it does not exist (never did, or its result TTL ran out)."""
+        raw = await self._redis.hgetall(keys.job(job_id))
+        return record_from_fields({_text(k): _text(v) for k, v in raw.items()}) if raw else None
+
+    async def get_submission(self, job_id: str) -> JobSubmission | None:
+        """The job as submitted (owner, background flag, params), or None if missing or malformed."""
+        raw = await self._redis.hget(keys.job(job_id), "submission")
+        if raw is None:
+            return None
+        try:
+            return JobSubmission.model_validate_json(raw)
+        except ValidationError:
+            return None
+
+    async def cancel(self, job_id: str) -> JobRecord | None:
+        """Cancel: a queued job is cancelled now; a running one is flagged and its worker told to abort it
+        (its record turns ``cancelled`` when the worker finalises). Finished jobs are left as they are."""
+        reply = await self._scripts.cancel(keys=[keys.job(job_id), keys.INFLIGHT], args=[self._ctx, job_id])
+        return record_from_fields(_pairs(reply)) if reply else None
+
+    async def queue_depth(self, model: str) -> int:
+        return int(await self._redis.zcard(keys.queue(model)))
+
+    async def reap_expired(self) -> int:
+        """Recover jobs whose lease expired: requeue, or fail and dead-letter after ``max_attempts``."""
+        total = 0
+        while True:
+            n = int(await self._scripts.reap(keys=[keys.INFLIGHT, keys.DEAD_LETTER, keys.WORKERS],
+                                             args=[self._ctx, REAP_BATCH]))
+            total += n
+            if n < REAP_BATCH:
+                return total
+
+    async def dead_letters(self) -> list[str]:
+        """Ids of jobs given up on after ``max_attempts``, oldest first."""
+        return [_text(x) for x in await self._redis.zrange(keys.DEAD_LETTER, 0, -1)]
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        """Workers whose last heartbeat is within one lease TTL (by Redis time)."""
+        seconds, micros = await self._redis.time()
+        cutoff = seconds + micros / 1e6 - self._settings.lease_ttl_s
+        ids = [_text(x) for x in await self._redis.zrangebyscore(keys.WORKERS, cutoff, "+inf")]
+        if not ids:
+            return []
+        infos = await self._redis.mget([keys.worker_info(i) for i in ids])
+        return [WorkerInfo.model_validate_json(raw) for raw in infos if raw is not None]
+
+    async def model_cards(self) -> list[ModelCard]:
+        """Cards of the models that at least one live worker serves."""
+        served = sorted({w.model for w in await self.live_workers()})
+        cards = [await self.model_card(name) for name in served]
+        return [c for c in cards if c is not None]
+
+    async def model_card(self, name: str) -> ModelCard | None:
+        """The last card published for ``name``, live worker or not (jobs may queue while workers restart)."""
+        raw = await self._redis.hget(keys.MODEL_CARDS, name)
+        return ModelCard.model_validate_json(raw) if raw is not None else None
+
+    @asynccontextmanager
+    async def open_stream(self, job_id: str, after_seq: int = 0) -> AsyncIterator[AsyncIterator[StreamEvent]]:
+        """Subscribe to the job's events now; iterate for replay (after ``after_seq``) then live events.
+
+        Events come once each, in seq order, and the iteration ends after the DoneEvent (or an ErrorEvent when
+        the job does not exist or expired). Subscribing happens on enter, before any replay, so an event
+        published in between is seen live and dropped as a duplicate of the replay.
+        """
+        reader = _StreamReader(self, job_id, after_seq)
+        await reader.subscribe()
+        try:
+            yield reader.events()
+        finally:
+            await reader.close()
+
+    # --- worker side ------------------------------------------------------------------------------------
+
+    async def register_worker(self, info: WorkerInfo, card: ModelCard) -> None:
+        """Heartbeat: (re)register the worker, and publish its model card the first time (the card holds the
+        tokenizer, megabytes, so later heartbeats do not resend it)."""
+        info_ttl = max(1, math.ceil(self._settings.lease_ttl_s * keys.WORKER_INFO_TTL_LEASES))
+        send_card = info.id not in self._cards_sent or not await self._redis.hexists(keys.MODEL_CARDS, card.name)
+        await self._scripts.register(
+            keys=[keys.WORKERS, keys.worker_info(info.id), keys.MODEL_CARDS],
+            args=[info.id, info.model_dump_json(), info_ttl, card.name, card.model_dump_json() if send_card else ""],
+        )
+        self._cards_sent.add(info.id)
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        """The worker leaves cleanly (its jobs must have been completed or released first)."""
+        await self._scripts.deregister(keys=[keys.WORKERS, keys.worker_info(worker_id)], args=[worker_id])
+        self._cards_sent.discard(worker_id)
+
+    async def claim(self, model: str, worker_id: str, max_jobs: int) -> list[ClaimedJob]:
+        """Take up to ``max_jobs`` jobs of ``model``, best priority first, under a lease of ``lease_ttl_s``.
+
+        A job whose stored submission is not a valid JobSubmission for this queue fails at once with the
+        validation error and is not returned; the caller never sees malformed jobs.
+        """
+        reply = await self._scripts.claim(keys=[keys.queue(model), keys.INFLIGHT],
+                                          args=[self._ctx, worker_id, max_jobs])
+        claimed = []
+        for raw_id, raw_sub, fence, attempt in reply:
+            job_id = _text(raw_id)
+            try:
+                submission = JobSubmission.model_validate_json(raw_sub)
+                if submission.id != job_id or submission.model != model:
+                    raise ValueError(f"submission id/model ({submission.id}, {submission.model}) do not match "
+                                     f"its record ({job_id}) and queue ({model})")
+            except ValueError as exc:  # pydantic's ValidationError is a ValueError
+                log.warning("job %s is malformed, failing it: %s", job_id, exc, extra={"job_id": job_id})
+                await self.fail(job_id, int(fence), f"invalid job: {exc}")
+                continue
+            claimed.append(ClaimedJob(submission, int(fence), int(attempt)))
+        return claimed
+
+    async def renew(self, worker_id: str, fences: dict[str, int]) -> list[str]:
+        """Extend the leases of the worker's jobs; returns the ids whose lease was lost (abort those)."""
+        if not fences:
+            return []
+        args: list[str | int] = [self._ctx, worker_id]
+        for job_id, fence in fences.items():
+            args += [job_id, fence]
+        return [_text(x) for x in await self._scripts.renew(keys=[keys.INFLIGHT], args=args)]
+
+    async def publish(self, job_id: str, fence: int, events: Sequence[TokenEvent | RestartEvent]) -> bool:
+        """Append events to the job's replay log and channel. False: stale fence, the job is no longer ours."""
+        return (await self.publish_many([(job_id, fence, events)]))[0]
+
+    async def publish_many(self, batches: Iterable[tuple[str, int, Sequence[TokenEvent | RestartEvent]]],
+                           ) -> list[bool]:
+        """``publish`` for several jobs in one round trip (one pipeline per engine step).
+
+        Each event's ``seq`` is its number within this claim (1, 2, ... per attempt, gap-free); Redis renumbers
+        it with the job's own counter, so seq keeps growing across attempts, and drops numbers it already
+        has, so a retried call never duplicates an event.
+        """
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id, fence, events in batches:
+                args: list[str | int] = [self._ctx, job_id, fence,
+                                         int(any(isinstance(e, TokenEvent) for e in events))]
+                for event in events:
+                    args += [event.seq, event.model_dump_json(exclude={"seq"})]
+                await self._scripts.publish(keys=[keys.job(job_id)], args=args, client=pipe)
+            replies = await pipe.execute()
+        return [bool(int(r)) for r in replies]
+
+    async def complete(self, job_id: str, fence: int, result: JobResult) -> bool:
+        """Write the result with the final status: ``cancelled`` if any choice was aborted (a cancel), else
+        ``succeeded``. False: stale fence, rejected."""
+        aborted = any(c.finish_reason == "abort" for c in result.choices)
+        status = JobStatus.CANCELLED if aborted else JobStatus.SUCCEEDED
+        ok = await self._scripts.complete(keys=[keys.job(job_id), keys.INFLIGHT],
+                                          args=[self._ctx, job_id, fence, status.value, result.model_dump_json()])
+        return bool(int(ok))
+
+    async def fail(self, job_id: str, fence: int, error: str) -> bool:
+        """Fail the job for good with ``error`` (no retry). False: stale fence, rejected."""
+        ok = await self._scripts.fail(keys=[keys.job(job_id), keys.INFLIGHT], args=[self._ctx, job_id, fence, error])
+        return bool(int(ok))
+
+    async def release(self, job_id: str, fence: int, charge_attempt: bool) -> bool:
+        """Give a running job back to its queue at its priority (a restart event tells its readers).
+        ``charge_attempt=False`` (drain) does not count the attempt. False: stale fence."""
+        ok = await self._scripts.release(keys=[keys.job(job_id), keys.INFLIGHT, keys.DEAD_LETTER],
+                                         args=[self._ctx, job_id, fence, int(charge_attempt)])
+        return bool(int(ok))
+
+    async def cancellations(self, worker_id: str) -> AsyncIterator[str]:
+        """Job ids the worker must abort: live from its control channel, and every ``poll_interval_s`` again
+        from its durable cancel set (so a message missed during a reconnect is not lost). An id may repeat
+        until the worker finalises the job."""
+        pubsub: PubSub | None = None
+        try:
+            while True:
+                try:
+                    if pubsub is None:
+                        pubsub = self._redis.pubsub()
+                        await _subscribe(pubsub, keys.control(worker_id))
+                        for job_id in await self._redis.smembers(keys.worker_cancels(worker_id)):
+                            yield _text(job_id)
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
+                    if msg is not None:
+                        yield _text(msg["data"])
+                    else:
+                        for job_id in await self._redis.smembers(keys.worker_cancels(worker_id)):
+                            yield _text(job_id)
+                except TRANSIENT_ERRORS as exc:
+                    log.warning("control channel of %s lost (%s); reconnecting", worker_id, exc)
+                    if pubsub is not None:
+                        await _close_quietly(pubsub)
+                    pubsub = None
+                    await asyncio.sleep(self._poll_s / 4)
+        finally:
+            if pubsub is not None:
+                await _close_quietly(pubsub)
+
+    async def replay(self, job_id: str, after_seq: int) -> list[dict[str, Any]]:
+        """Log entries with seq > ``after_seq``, as parsed JSON objects, in order."""
+        entries: list[dict[str, Any]] = []
+        start = f"({after_seq}-0"
+        while True:
+            chunk = await self._redis.xrange(keys.job_log(job_id), min=start, max="+", count=REPLAY_CHUNK) or []
+            entries += [_entry_event(fields) for _, fields in chunk if fields]
+            if len(chunk) < REPLAY_CHUNK:
+                return entries
+            start = f"({_text(chunk[-1][0])}"
+
+
+def _entry_event(fields: dict[Any, Any]) -> dict[str, Any]:
+    """The event JSON of one replay-log entry (field ``data``), decoded responses or not."""
+    event: dict[str, Any] = json.loads(fields[b"data"] if b"data" in fields else fields["data"])
+    return event
+
+
+async def _subscribe(pubsub: PubSub, channel: str) -> None:
+    """Subscribe and wait for Redis to confirm, so nothing published afterwards can be missed."""
+    await pubsub.subscribe(channel)
+    while True:
+        msg = await pubsub.get_message(timeout=5.0)
+        if msg is not None and msg["type"] in ("subscribe", b"subscribe"):
+            return
+
+
+async def _close_quietly(pubsub: PubSub) -> None:
+    """Close a pub/sub connection that may already be broken."""
+    with suppress(*TRANSIENT_ERRORS):
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class _StreamReader:
+    """One reader of one job's events: pub/sub for live delivery, the replay log for history and gaps."""
+
+    def __init__(self, queue: JobQueue, job_id: str, after_seq: int) -> None:
+        self._queue = queue
+        self._job_id = job_id
+        self._last = after_seq
+        self._pubsub: PubSub | None = None
+
+    async def subscribe(self) -> None:
+        self._pubsub = self._queue.redis.pubsub()
+        await _subscribe(self._pubsub, keys.job_live(self._job_id))
+
+    async def close(self) -> None:
+        if self._pubsub is not None:
+            await _close_quietly(self._pubsub)
+            self._pubsub = None
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """Replay after ``after_seq``, then live events, each seq once and in order.
+
+        A live message that follows on from the last seq is used as is; an older one is a duplicate of the
+        replay and dropped; a newer one means something was missed, and the log fills the gap. After a quiet
+        ``poll_interval_s`` or a reconnect the log is read again and the job checked, so a finished or expired
+        job never leaves the reader waiting.
+        """
+        pending = await self._replay_or_end()
+        while True:
+            try:
+                for raw in pending:
+                    if raw["seq"] <= self._last:
+                        continue
+                    event = await self._expand(raw)
+                    self._last = event.seq
+                    yield event
+                    if isinstance(event, DoneEvent | ErrorEvent):
+                        return
+                pending = await self._next_live()
+            except TRANSIENT_ERRORS as exc:
+                log.warning("stream of job %s lost Redis (%s); resubscribing", self._job_id, exc,
+                            extra={"job_id": self._job_id})
+                await self.close()
+                await asyncio.sleep(self._queue.poll_interval_s / 4)
+                pending = []
+                try:
+                    await self.subscribe()
+                    pending = await self._replay_or_end()
+                except TRANSIENT_ERRORS:
+                    continue
+
+    async def _next_live(self) -> list[dict[str, Any]]:
+        """The next events: the live message itself when it follows on, else what the log holds."""
+        assert self._pubsub is not None
+        msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=self._queue.poll_interval_s)
+        if msg is None:
+            return await self._replay_or_end()
+        raw: dict[str, Any] = json.loads(msg["data"])
+        if raw["seq"] <= self._last + 1:
+            return [raw]
+        return await self._queue.replay(self._job_id, self._last)
+
+    async def _replay_or_end(self) -> list[dict[str, Any]]:
+        """The log after the last seq seen; when it has nothing new, an end the log cannot show, if any."""
+        entries = await self._queue.replay(self._job_id, self._last)
+        if entries:
+            return entries
+        record = await self._queue.get(self._job_id)
+        if record is None:
+            return [{"type": "error", "seq": self._last + 1, "message": f"job {self._job_id} not found or expired"}]
+        if record.status.is_terminal and not await self._queue.redis.exists(keys.job_log(self._job_id)):
+            return [{"type": "done", "seq": self._last + 1}]
+        return []
+
+    async def _expand(self, raw: dict[str, Any]) -> StreamEvent:
+        """The log's done marker carries only the status; readers get the full final record."""
+        if raw.get("type") == "done":
+            record = await self._queue.get(self._job_id)
+            if record is None:
+                return ErrorEvent(seq=raw["seq"], message=f"job {self._job_id} expired")
+            return DoneEvent(seq=raw["seq"], job=record)
+        return STREAM_EVENTS.validate_python(raw)

@@ -1,0 +1,121 @@
+"""API test fixtures: a real uvicorn serving ``create_app`` on a free port, against the session's real Redis,
+and a test-only worker (``fake_worker.FakeWorker``) that completes jobs with text the tests predict.
+
+A real server (not httpx's ASGI transport, which buffers whole responses) is what streaming, disconnects and
+the official openai client need.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from api.app import create_app
+from shared.config import Settings
+from shared.redis_server import free_port
+from fake_worker import MODEL, FakeWorker
+
+
+@dataclass
+class ApiServer:
+    settings: Settings
+    base_url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self, api_key: str | None = None, **kwargs: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=30, **kwargs)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def test_settings(redis_url: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {"redis_url": redis_url, "model": MODEL, "lease_ttl_s": 5.0,
+                              "heartbeat_interval_s": 1.0}
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture()
+def start_api(redis_url: str) -> Iterator[Callable[..., ApiServer]]:
+    """Start an API (settings overrides as keyword arguments); all are stopped after the test."""
+    servers: list[ApiServer] = []
+
+    def start(**overrides: Any) -> ApiServer:
+        settings = test_settings(redis_url, **overrides)
+        port = free_port()
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=2)
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, name=f"api-{port}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "API did not start"
+            time.sleep(0.01)
+        api = ApiServer(settings, f"http://127.0.0.1:{port}", server, thread)
+        servers.append(api)
+        return api
+
+    yield start
+    for api in servers:
+        api.stop()
+
+
+@pytest.fixture()
+def api(start_api: Callable[..., ApiServer]) -> ApiServer:
+    """An API with default test settings (no auth)."""
+    return start_api()
+
+
+@pytest.fixture()
+def start_worker(redis_url: str) -> Iterator[Callable[..., FakeWorker]]:
+    workers: list[FakeWorker] = []
+
+    def start(**kwargs: Any) -> FakeWorker:
+        worker = FakeWorker(redis_url, test_settings(redis_url), worker_id=f"fake-{len(workers)}", **kwargs).start()
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture()
+def worker(start_worker: Callable[..., FakeWorker]) -> FakeWorker:
+    return start_worker()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def parse_sse(raw: str) -> list[dict[str, str]]:
+    """SSE text as a list of events (``id``, ``event``, ``data``); comments (pings) are dropped."""
+    events = []
+    for block in raw.split("\n\n"):
+        fields: dict[str, str] = {}
+        for line in block.split("\n"):
+            if not line or line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            fields[name] = fields[name] + "\n" + value if name in fields else value
+        if fields:
+            events.append(fields)
+    return events

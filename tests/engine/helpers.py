@@ -1,0 +1,62 @@
+"""Shared helpers for engine tests: drive an engine by hand and compute transformers' reference output."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.engine import Engine, SamplingParams, StepOutput
+
+
+@dataclass
+class Run:
+    """Everything the engine emitted while draining."""
+
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    text: dict[str, str] = field(default_factory=dict)
+    finished: dict[str, StepOutput] = field(default_factory=dict)
+    max_waiting: int = 0
+    num_steps: int = 0
+
+
+def drain(engine: Engine, run: Run | None = None) -> Run:
+    """Step until idle, checking the event stream's own invariants as it goes."""
+    run = run or Run()
+    while engine.has_unfinished():
+        for event in engine.step():
+            assert event.request_id not in run.finished, "events after finished"
+            run.token_ids.setdefault(event.request_id, []).extend(event.new_token_ids)
+            run.text[event.request_id] = run.text.get(event.request_id, "") + event.text_delta
+            assert event.num_output_tokens == len(run.token_ids[event.request_id])
+            if event.finished:
+                run.finished[event.request_id] = event
+        run.max_waiting = max(run.max_waiting, engine.stats().num_waiting)
+        run.num_steps += 1
+    return run
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], params: SamplingParams) -> list[int]:
+    """transformers ``generate`` on the prompt alone, greedy; includes the EOS token when it stops on one."""
+    input_ids = torch.tensor([prompt])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens or None)
+    return out[0, len(prompt):].tolist()
+
+
+def mixed_workload(seed: int, num_requests: int, max_prompt: int, max_output: int, vocab: int
+                   ) -> list[tuple[list[int], SamplingParams, int]]:
+    """Random token prompts of 1..max_prompt tokens (both ends included), greedy, mixed lengths and priorities.
+
+    Half the requests force their full length with ``min_tokens`` (EOS masked, as ``min_new_tokens`` does), the
+    rest may stop on EOS.
+    """
+    rng = random.Random(seed)
+    lengths = [1, max_prompt] + [rng.randint(1, max_prompt) for _ in range(num_requests - 2)]
+    workload = []
+    for i, length in enumerate(lengths):
+        max_tokens = rng.randint(1, max_output)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens if i % 2 else 0)
+        workload.append(([rng.randrange(3, vocab) for _ in range(length)], params, rng.randint(0, 2)))
+    return workload

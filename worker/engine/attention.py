@@ -1,0 +1,131 @@
+"""Paged attention plugged into transformers' ``AttentionInterface``.
+
+One forward pass carries every scheduled request's new tokens flattened into a single ``[1, T]`` sequence with
+explicit positions. In each layer the model hands us that sequence's Q/K/V; we write the new K/V into the block
+pool at the slot mapping, then attend each query token to *its own request's* cached keys, causally.
+
+Two groups, each vectorised:
+- single-token queries (decodes, and 1-token prefill chunks): one batched SDPA over gathered block tables,
+  with a key-length mask;
+- multi-token prefill chunks: one SDPA per chunk (a step has few, because of the token budget), causal, with an
+  offset mask when earlier chunks of the same prompt are already cached.
+
+Per-step state reaches the function as a keyword argument (``paged_context``) that transformers passes through
+the model's ``**kwargs``; so the registered function is stateless and one registration serves every engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from worker.engine.kv_cache import KVCache
+
+PAGED_ATTENTION_NAME = "tokenspool_paged"
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A multi-token chunk of one request: flat token range ``[token_start, token_end)`` of the step."""
+
+    token_start: int
+    token_end: int
+    block_table: torch.Tensor  # [1, num_blocks] of this request
+    context_len: int  # tokens cached after this step (start position + chunk length)
+    mask: torch.Tensor | None  # [chunk_len, context_len] bool, None when the chunk starts at position 0
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Index tensors for one step, built once and reused by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot of each new token
+    single_token_idx: torch.Tensor | None  # [Bs] flat indices of single-token queries
+    single_block_tables: torch.Tensor | None  # [Bs, max_blocks]
+    single_key_mask: torch.Tensor | None  # [Bs, 1, 1, max_blocks * block_size] bool: key position < context length
+    prefills: tuple[PrefillChunk, ...]
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """What the attention function needs besides Q/K/V: where the cache is and how this step addresses it."""
+
+    kv_cache: KVCache
+    metadata: AttentionMetadata
+
+
+def prepare_prefill_chunk(token_start: int, start_position: int, num_tokens: int, block_table: torch.Tensor
+                          ) -> PrefillChunk:
+    """Describe a multi-token chunk; query ``i`` (at position ``start_position + i``) sees keys ``<=`` it."""
+    context_len = start_position + num_tokens
+    mask = None
+    if start_position > 0:
+        query_pos = torch.arange(start_position, context_len, device=block_table.device)
+        key_pos = torch.arange(context_len, device=block_table.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [chunk_len, context_len]
+    return PrefillChunk(token_start, token_start + num_tokens, block_table, context_len, mask)
+
+
+def prepare_single_token_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """``context_lens``: [Bs] -> [Bs, 1, 1, width] bool, true for real (non-padding) keys."""
+    key_pos = torch.arange(width, device=context_lens.device)
+    return (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
+
+
+def _attend_single_tokens(layer: int, query: torch.Tensor, ctx: PagedContext, scaling: float) -> torch.Tensor:
+    """``query``: [T, H, D]; returns [Bs, H, D] for the single-token queries."""
+    meta = ctx.metadata
+    q = query[meta.single_token_idx].unsqueeze(2)  # [Bs, H, 1, D]
+    keys, values = ctx.kv_cache.gather(layer, meta.single_block_tables)  # [Bs, L, kvh, D]
+    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+                                         attn_mask=meta.single_key_mask, scale=scaling,
+                                         enable_gqa=q.shape[1] != keys.shape[2])
+    return out.squeeze(2)  # [Bs, H, D]
+
+
+def _attend_prefill(layer: int, query: torch.Tensor, chunk: PrefillChunk, ctx: PagedContext,
+                    scaling: float) -> torch.Tensor:
+    """``query``: [T, H, D]; returns [chunk_len, H, D]."""
+    q = query[chunk.token_start:chunk.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    keys, values = ctx.kv_cache.gather(layer, chunk.block_table)  # [1, L, kvh, D]
+    keys = keys[:, :chunk.context_len].transpose(1, 2).to(q.dtype)  # [1, kvh, ctx, D]
+    values = values[:, :chunk.context_len].transpose(1, 2).to(q.dtype)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                         scale=scaling, enable_gqa=q.shape[1] != keys.shape[1])
+    return out[0].transpose(0, 1)  # [n, H, D]
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, paged_context: PagedContext | None = None,
+                            **kwargs: object) -> tuple[torch.Tensor, None]:
+    """The ``AttentionInterface`` entry point. ``query``: [1, H, T, D]; ``key``/``value``: [1, kvh, T, D].
+
+    Returns ``[1, T, H, D]`` as transformers' attention functions do.
+    """
+    if paged_context is None:
+        raise RuntimeError(f"{PAGED_ATTENTION_NAME} attention needs paged_context=...; call it via the ModelRunner")
+    layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    meta = paged_context.metadata
+    paged_context.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q)
+    if meta.single_token_idx is not None:
+        out[meta.single_token_idx] = _attend_single_tokens(layer, q, paged_context, scale)
+    for chunk in meta.prefills:
+        out[chunk.token_start:chunk.token_end] = _attend_prefill(layer, q, chunk, paged_context, scale)
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def register_paged_attention() -> str:
+    """Make the paged attention available to transformers models; returns the ``attn_implementation`` name.
+
+    Called when a model runner is built, never at import. Idempotent: the function is stateless (all per-step
+    state arrives in ``paged_context``), so every engine in the process can share the one registration.
+    """
+    AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention_forward)
+    return PAGED_ATTENTION_NAME

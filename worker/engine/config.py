@@ -1,0 +1,134 @@
+"""Engine configuration (what the operator asked for) and the plan derived from it (what we will do).
+
+``EngineConfig`` is frozen and validated once. Values that depend on the model or the machine (device, dtype,
+number of KV blocks, context length) are computed into a separate frozen ``EnginePlan`` and never written back,
+so the config always reads as what was requested.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GIB = 1 << 30
+CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a modest fixed budget
+CUDA_FREE_FRACTION = 0.9  # of the memory still free after the weights are loaded
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check(ok: bool, field: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{field} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What to serve and how much of it at once.
+
+    ``model``: a built-in name (``smollm2``), a Hugging Face folder or a ``.gguf`` file.
+    ``num_kv_blocks``: None sizes the KV pool from ``kv_cache_bytes`` (None: 1 GiB on CPU, 90% of free memory on
+    CUDA), capped by what ``max_num_seqs`` full-length sequences could ever use.
+    ``max_num_batched_tokens``: the token budget of one forward pass; longer prompts are prefilled in chunks.
+    ``device``/``dtype``: None picks cuda if available, else cpu; bfloat16 on CUDA, float32 on CPU.
+    """
+
+    model: str = "smollm2"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_bytes: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "model", "a model name or path", self.model)
+        _check(1 <= self.block_size <= 1024, "block_size", "in [1, 1024]", self.block_size)
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "None or >= 1",
+               self.num_kv_blocks)
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "None or >= 2",
+               self.max_model_len)
+        _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "None or > 0",
+               self.kv_cache_bytes)
+        _check(self.device is None or self.device.split(":")[0] in ("cpu", "cuda"), "device",
+               "None, 'cpu' or 'cuda[:N]'", self.device)
+        _check(self.dtype is None or self.dtype in DTYPES, "dtype", f"None or one of {sorted(DTYPES)}", self.dtype)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers about a model that sizing the KV cache needs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Derived, machine- and model-dependent settings. ``max_model_len`` never exceeds the KV pool, so a request
+    alone always fits and preemption can always make progress."""
+
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    """The configured device, else cuda when present, else cpu."""
+    if config.device is not None:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exact parity with reference generation, and CPU bf16 matmuls are slow); bf16 on CUDA."""
+    if config.dtype is not None:
+        return DTYPES[config.dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+    """K and V, every layer, one block of tokens."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * itemsize
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Bytes for the KV pool when the config gives none."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_FREE_FRACTION)
+    return CPU_DEFAULT_KV_BYTES
+
+
+def make_plan(config: EngineConfig, shape: ModelShape, device: torch.device, dtype: torch.dtype) -> EnginePlan:
+    """Size the KV pool and the context length for this model on this device."""
+    model_len = shape.max_position_embeddings
+    if config.max_model_len is not None:
+        _check(config.max_model_len <= model_len, "max_model_len", f"<= the model's {model_len} positions",
+               config.max_model_len)
+        model_len = config.max_model_len
+    blocks_per_seq = math.ceil(model_len / config.block_size)
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        budget = config.kv_cache_bytes or default_kv_budget(device)
+        num_blocks = budget // kv_bytes_per_block(shape, config.block_size, dtype)
+        num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
+        if num_blocks < 1:
+            raise ValueError(f"EngineConfig.kv_cache_bytes is too small for one KV block of this model, got {budget}")
+    model_len = min(model_len, num_blocks * config.block_size)
+    if model_len < 2:
+        raise ValueError(f"EngineConfig.num_kv_blocks must hold at least 2 tokens, got {num_blocks} blocks")
+    return EnginePlan(device=device, dtype=dtype, block_size=config.block_size, num_kv_blocks=num_blocks,
+                      max_model_len=model_len)

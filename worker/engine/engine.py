@@ -1,0 +1,198 @@
+"""The engine: requests in, ``StepOutput`` events out, one forward pass per ``step()``.
+
+A step is: schedule (which requests advance, by how many tokens) -> run the model over the flattened batch ->
+sample a token for every request that caught up with its known tokens -> detokenize and check stop conditions.
+Calls are not thread-safe; the worker makes them all from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from worker.engine.block_pool import BlockPool
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import EngineStats, FinishReason, Logprob, RequestOutput, StepOutput
+from worker.engine.request import Request, validate_request
+from worker.engine.sampler import Sampler, make_generator, prepare_sampling_batch
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def eos_token_ids_of(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids as ``generate`` sees them: the generation config's, else the model config's, else the tokenizer's."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+class Engine:
+    """Continuous batching over a paged KV cache; greedy output equals transformers ``generate`` token for token."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        folder = resolve_model(config.model)
+        self.runner = ModelRunner(config, folder)
+        self.plan = self.runner.plan
+        self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.eos_token_ids = eos_token_ids_of(self.runner.model, self._tokenizer)
+        self.block_pool = BlockPool(self.plan.num_kv_blocks, enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_pool, self.plan.block_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._generate_ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output limit: the model's positions, the configured cap and the KV pool, whichever is least."""
+        return self.plan.max_model_len
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request. Output is clipped to the context: it ends with "length" at ``max_model_len`` tokens.
+
+        Raises ValueError (naming the field and its allowed range) for bad input, changing nothing.
+        """
+        validate_request(request_id, prompt_token_ids, params, priority, self.runner.shape.vocab_size,
+                         self.max_model_len)
+        if request_id in self._requests:
+            raise ValueError(f"request_id must be unique among unfinished requests, got duplicate {request_id!r}")
+        prompt = list(prompt_token_ids)
+        request = Request(
+            request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
+            arrival=next(self._arrivals), max_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
+            generator=make_generator(params.seed, self.runner.device),
+            detokenizer=IncrementalDetokenizer(self._tokenizer, prompt, params.stop),
+        )
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def step(self) -> list[StepOutput]:
+        """Advance every scheduled request by one forward pass; returns what happened (empty when idle)."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        logits = self.runner.execute(output)  # [num_sampled, V]
+        self.scheduler.cache_computed_blocks(output, self._requests)
+        return self._postprocess(output, logits)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        request.finish_reason = "abort"
+        self.scheduler.finish(request)
+        return True
+
+    def has_capacity(self) -> bool:
+        """Room for at least one more request right now (a free seat and a free block)."""
+        return len(self._requests) < self.config.max_num_seqs and self.block_pool.num_free_blocks > 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
+            num_total_blocks=self.block_pool.num_blocks, num_free_blocks=self.block_pool.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+        )
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` (text or token ids) to completion and return their outputs in order.
+
+        For offline use: it drives ``step()`` itself, so it refuses to run while ``add_request`` work is pending
+        (those requests' events would be lost).
+        """
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drain add_request work with step() first")
+        param_list = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else params
+        if len(param_list) != len(prompts):
+            raise ValueError(f"params must be one SamplingParams or one per prompt ({len(prompts)}), "
+                             f"got {len(param_list)}")
+        requests: list[Request] = []
+        try:
+            for prompt, p in zip(prompts, param_list, strict=True):
+                token_ids = self._tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                request_id = f"generate-{next(self._generate_ids)}"
+                self.add_request(request_id, token_ids, p)
+                requests.append(self._requests[request_id])
+        except ValueError:
+            for request in requests:
+                self.abort(request.request_id)
+            raise
+        while self.has_unfinished():
+            self.step()
+        return [RequestOutput(request_id=r.request_id, prompt_token_ids=tuple(r.prompt_token_ids),
+                              token_ids=tuple(r.output_token_ids), text=r.text,
+                              finish_reason=r.finish_reason or "abort", logprobs=tuple(r.logprobs),
+                              num_cached_tokens=r.num_cached_tokens) for r in requests]
+
+    def _postprocess(self, output: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        """Sample one token for each request whose chunk reached its last known token; emit their events."""
+        sampled = [self._requests[c.request_id] for c in output.chunks if c.needs_logits]
+        if not sampled:
+            return []
+        batch = prepare_sampling_batch(
+            [r.params for r in sampled], [r.prompt_token_ids for r in sampled],
+            [r.output_token_ids for r in sampled], [r.generator for r in sampled],
+            self.eos_token_ids, self.runner.device)
+        result = self.sampler(logits, batch)
+        token_ids = result.token_ids.tolist()
+        return [self._append_token(r, t, lp) for r, t, lp in zip(sampled, token_ids, result.logprobs, strict=True)]
+
+    def _append_token(self, request: Request, token_id: int, logprob: Logprob | None) -> StepOutput:
+        """Record a sampled token, detokenize it and decide whether the request is done."""
+        request.output_token_ids.append(token_id)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        reason: FinishReason | None = "stop" if self._is_stop_token(request, token_id) else None
+        text_delta = ""
+        if reason is None:  # a stop token ends the request without adding its text (as vLLM does)
+            update = request.detokenizer.push([token_id])
+            text_delta = update.text_delta
+            if update.stop_hit:
+                reason = "stop"
+            elif request.num_output_tokens >= request.max_tokens:
+                reason = "length"
+        if reason is not None:
+            if not request.detokenizer.stop_hit:
+                text_delta += request.detokenizer.flush()
+            request.text = request.detokenizer.text
+            request.finish_reason = reason
+            del self._requests[request.request_id]
+            self.scheduler.finish(request)
+        return StepOutput(
+            request_id=request.request_id, new_token_ids=(token_id,), text_delta=text_delta,
+            finished=reason is not None, finish_reason=reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
+            logprobs=(logprob,) if logprob is not None else (),
+        )
+
+    def _is_stop_token(self, request: Request, token_id: int) -> bool:
+        """EOS (unless ignored) or a stop token id, once ``min_tokens`` outputs came before it."""
+        params = request.params
+        if request.num_output_tokens <= params.min_tokens:
+            return False
+        return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)

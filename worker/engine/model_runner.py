@@ -1,0 +1,114 @@
+"""Loads the model and runs one scheduled step through it.
+
+All scheduled chunks are flattened into one ``[1, T]`` sequence with explicit positions; paged attention
+(``attention.py``) keeps each request's tokens attending only to their own request. Only positions whose request
+needs a next token are projected to logits (``logits_to_keep`` with explicit indices), which saves the
+``[T, vocab]`` matmul for every prefill token but the last.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from worker.engine.attention import (
+    AttentionMetadata,
+    PagedContext,
+    prepare_prefill_chunk,
+    prepare_single_token_mask,
+    register_paged_attention,
+)
+from worker.engine.config import EngineConfig, EnginePlan, ModelShape, make_plan, pick_device, pick_dtype
+from worker.engine.kv_cache import KVCache, prepare_block_tables, prepare_slot_mapping
+from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+def model_shape(config: PretrainedConfig) -> ModelShape:
+    """Layer/head geometry from a transformers config (Llama, Qwen2 and GPT-2 spellings)."""
+    text = config.get_text_config()
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return ModelShape(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        vocab_size=text.vocab_size,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None) or text.n_positions,
+    )
+
+
+class ModelRunner:
+    """The model, its KV cache and the tensor plumbing of one forward pass."""
+
+    def __init__(self, config: EngineConfig, folder: Path) -> None:
+        device = pick_device(config)
+        dtype = pick_dtype(config, device)
+        attn_name = register_paged_attention()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_name)
+        self.model.to(device).eval()
+        self.shape = model_shape(self.model.config)
+        self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
+        self.kv_cache = KVCache(self.shape, self.plan)
+        log.info("model loaded: folder=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+                 folder, device, dtype, self.plan.num_kv_blocks, self.plan.block_size, self.plan.max_model_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Run the step; returns float32 logits ``[num_chunks_needing_logits, vocab]`` in chunk order."""
+        input_ids, position_ids, metadata, logits_indices = self.prepare_inputs(output.chunks)
+        result = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                            logits_to_keep=logits_indices,
+                            paged_context=PagedContext(self.kv_cache, metadata))
+        return result.logits[0].float()  # [num_sampled, V]
+
+    def prepare_inputs(self, chunks: Sequence[ScheduledChunk]
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten chunks into ``input_ids``/``position_ids`` [1, T], attention metadata and logits indices [B]."""
+        device, block_size = self.device, self.plan.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        single_idx: list[int] = []
+        single_tables: list[tuple[int, ...]] = []
+        single_lens: list[int] = []
+        prefills = []
+        for chunk in chunks:
+            start, num = chunk.start_position, len(chunk.token_ids)
+            offset = len(token_ids)
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(start, start + num))
+            slots.extend(prepare_slot_mapping(chunk.block_ids, start, num, block_size))
+            if chunk.needs_logits:
+                logits_indices.append(offset + num - 1)
+            if num == 1:
+                single_idx.append(offset)
+                single_tables.append(chunk.block_ids)
+                single_lens.append(start + 1)
+            else:
+                table = torch.tensor([chunk.block_ids], dtype=torch.long, device=device)
+                prefills.append(prepare_prefill_chunk(offset, start, num, table))
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            single_token_idx=torch.tensor(single_idx, dtype=torch.long, device=device) if single_idx else None,
+            single_block_tables=prepare_block_tables(single_tables, device) if single_idx else None,
+            single_key_mask=self._single_mask(single_tables, single_lens) if single_idx else None,
+            prefills=tuple(prefills),
+        )
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        return input_ids, position_ids, metadata, torch.tensor(logits_indices, dtype=torch.long, device=device)
+
+    def _single_mask(self, tables: list[tuple[int, ...]], context_lens: list[int]) -> torch.Tensor:
+        width = max(len(t) for t in tables) * self.plan.block_size
+        return prepare_single_token_mask(torch.tensor(context_lens, dtype=torch.long, device=self.device), width)

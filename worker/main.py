@@ -1,0 +1,69 @@
+"""The worker process: load the engine, connect to Redis, serve jobs until SIGTERM/SIGINT, exit 0 after a drain.
+
+``run_worker(settings)`` is the entry of ``tokenspool worker`` and ``python -m worker`` (settings from the
+``TOKENSPOOL_*`` environment there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+
+from redis.asyncio import Redis
+
+from shared.config import Settings
+from shared.logging_setup import configure_logging
+from shared.queue import JobQueue
+from worker.engine import Engine, EngineConfig
+from worker.runner import Runner
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's settings; "auto" device/dtype become None (the engine picks)."""
+    return EngineConfig(
+        model=settings.model, block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
+        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+        kv_cache_bytes=settings.kv_cache_bytes, device=None if settings.device == "auto" else settings.device,
+        dtype=None if settings.dtype == "auto" else settings.dtype,
+        enable_prefix_caching=settings.enable_prefix_caching,
+    )
+
+
+def default_worker_id() -> str:
+    """``host-pid-random``: unique even when a restarted worker reuses a pid."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def run_worker(settings: Settings) -> int:
+    """Serve ``settings.served_model_name`` from the Redis at ``settings.redis_url``; returns the exit code."""
+    configure_logging(settings.log_level)
+    if settings.redis_url is None:
+        log.error("a worker needs TOKENSPOOL_REDIS_URL (or --redis-url): the Redis its API uses")
+        return 2
+    worker_id = settings.worker_id or default_worker_id()
+    log.info("worker %s loading model %s", worker_id, settings.model)
+    engine = Engine(engine_config(settings))
+    return asyncio.run(_serve(settings, engine, worker_id))
+
+
+async def _serve(settings: Settings, engine: Engine, worker_id: str) -> int:
+    assert settings.redis_url is not None
+    redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, health_check_interval=15)
+    runner = Runner(engine, JobQueue(redis, settings), settings, worker_id)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, runner.request_stop)
+    log.info("worker %s serving model %s (max_num_seqs %d, max_model_len %d)", worker_id,
+             settings.served_model_name, settings.max_num_seqs, engine.max_model_len)
+    try:
+        code = await runner.run()
+    finally:
+        await redis.aclose()
+    log.info("worker %s stopped (exit %d)", worker_id, code)
+    return code

@@ -1,0 +1,393 @@
+"""The Redis <-> engine bridge: claim jobs while the engine has room, feed its step loop, publish every step's
+deltas, write results, renew leases, obey cancellations, and drain on shutdown.
+
+Every engine call runs on one dedicated thread (the engine is not thread-safe); the asyncio loop stays free for
+lease renewal and cancellation while a step computes. The pure parts (job -> engine requests, step outputs ->
+events and results) are plain functions and a small state class, testable without Redis or a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_random_exponential
+
+from shared.config import Settings
+from shared.queue import TRANSIENT_ERRORS, ClaimedJob, JobQueue
+from shared.schemas import (
+    Choice,
+    FinishReason,
+    JobResult,
+    JobSubmission,
+    ModelCard,
+    SpecDecodeStats,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+    WorkerInfo,
+)
+from worker.engine import Engine, Logprob, SamplingParams, StepOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLAIMS_PER_STEP = 16  # jobs claimed between two engine steps at most, so a deep queue cannot stall decoding
+IDLE_POLL_S = 0.05  # how often an idle worker asks for work
+REDIS_RETRY_S = 300.0  # a Redis outage longer than this ends the worker (exit 1) for its supervisor to restart
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the runner uses."""
+
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, token_ids: list[int]) -> str: ...
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+
+
+def request_id(job_id: str, index: int) -> str:
+    """Engine request id of choice ``index`` of a job (CONTRACTS.md)."""
+    return f"{job_id}#{index}"
+
+
+def split_request_id(rid: str) -> tuple[str, int]:
+    job_id, _, index = rid.rpartition("#")
+    return job_id, int(index)
+
+
+def prompt_token_ids(job: JobSubmission, tokenizer: Tokenizer) -> list[int]:
+    """The job's prompt as token ids: given ids as they are, text as ``encode`` does (as ``Engine.generate``),
+    messages rendered with the model's chat template plus the generation prompt."""
+    if job.prompt_token_ids is not None:
+        return list(job.prompt_token_ids)
+    if job.prompt is not None:
+        return list(tokenizer.encode(job.prompt))
+    assert job.messages is not None
+    if not tokenizer.chat_template:
+        raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids")
+    text = tokenizer.apply_chat_template([m.model_dump() for m in job.messages], tokenize=False,
+                                         add_generation_prompt=True)
+    # The template already holds the special tokens (BOS etc.), as apply_chat_template(tokenize=True) assumes.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def to_token_logprobs(logprobs: Sequence[Logprob], tokenizer: Tokenizer) -> list[TokenLogprob]:
+    """Engine logprobs with the tokens' text, as the wire schema carries them."""
+    return [TokenLogprob(token_id=lp.token_id, token=tokenizer.decode([lp.token_id]), logprob=lp.logprob,
+                         top=[(tid, tokenizer.decode([tid]), v) for tid, v in lp.top]) for lp in logprobs]
+
+
+@dataclass
+class ChoiceState:
+    """What one choice produced so far."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
+class ActiveJob:
+    """A claimed job in the engine: its choices' progress and the next attempt-local event number."""
+
+    claim: ClaimedJob
+    choices: list[ChoiceState]
+    next_seq: int = 1
+
+    @classmethod
+    def start(cls, claim: ClaimedJob) -> ActiveJob:
+        wants_logprobs = claim.submission.params.logprobs is not None
+        return cls(claim, [ChoiceState(logprobs=[] if wants_logprobs else None) for _ in range(claim.submission.n)])
+
+    @property
+    def job_id(self) -> str:
+        return self.claim.submission.id
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [request_id(self.job_id, i) for i, c in enumerate(self.choices) if c.finish_reason is None]
+
+    def apply(self, out: StepOutput, index: int, logprobs: list[TokenLogprob] | None) -> TokenEvent | None:
+        """Record one step's output of choice ``index``; the event to publish, if it carries anything."""
+        choice = self.choices[index]
+        choice.texts.append(out.text_delta)
+        choice.token_ids += out.new_token_ids
+        if choice.logprobs is not None and logprobs:
+            choice.logprobs += logprobs
+        choice.num_prompt_tokens = out.num_prompt_tokens
+        choice.num_cached_tokens = out.num_cached_tokens
+        choice.num_draft_tokens += out.num_draft_tokens
+        choice.num_accepted_tokens += out.num_accepted_tokens
+        if out.finished:
+            choice.finish_reason = out.finish_reason or "stop"
+        if not out.text_delta and not out.new_token_ids:
+            return None
+        event = TokenEvent(seq=self.next_seq, index=index, text=out.text_delta, token_ids=list(out.new_token_ids),
+                           logprobs=logprobs if choice.logprobs is not None else None)
+        self.next_seq += 1
+        return event
+
+    def abort(self) -> None:
+        """The unfinished choices end now (a cancel): finish reason ``abort``, text so far kept."""
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+
+    def result(self) -> JobResult:
+        """Choices in index order; the prompt is counted once (the n choices share it)."""
+        choices = [
+            Choice(index=i, text="".join(c.texts), finish_reason=c.finish_reason, token_ids=c.token_ids,
+                   logprobs=c.logprobs,
+                   spec_decode=SpecDecodeStats(num_draft_tokens=c.num_draft_tokens,
+                                               num_accepted_tokens=c.num_accepted_tokens)
+                   if c.num_draft_tokens else None)
+            for i, c in enumerate(self.choices)
+        ]
+        first = self.choices[0]
+        usage = Usage(prompt_tokens=first.num_prompt_tokens, cached_tokens=first.num_cached_tokens,
+                      completion_tokens=sum(len(c.token_ids) for c in self.choices))
+        return JobResult(choices=choices, usage=usage)
+
+
+def model_card(name: str, engine: Engine) -> ModelCard:
+    """What the API needs to validate and template requests for this model without loading it."""
+    tokenizer = engine.tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return ModelCard(
+        name=name, max_model_len=engine.max_model_len, eos_token_ids=list(engine.eos_token_ids),
+        chat_template=tokenizer.chat_template,
+        # The model's vocabulary (what token ids the engine accepts), not the tokenizer's length.
+        vocab_size=engine.runner.shape.vocab_size,
+        tokenizer_json=backend.to_str() if backend is not None else None,
+        special_tokens={k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)},
+    )
+
+
+class Runner:
+    """Serves one model from one engine until ``request_stop``; ``run`` returns the process exit code."""
+
+    def __init__(self, engine: Engine, queue: JobQueue, settings: Settings, worker_id: str,
+                 redis_retry_s: float = REDIS_RETRY_S) -> None:
+        self._engine = engine
+        self._queue = queue
+        self._settings = settings
+        self._worker_id = worker_id
+        self._model = settings.served_model_name
+        self._card = model_card(self._model, engine)
+        self._started_at = time.time()
+        self._redis_retry_s = redis_retry_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._active: dict[str, ActiveJob] = {}
+        self._lost: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        """SIGTERM: stop claiming, finish running jobs within ``drain_timeout_s``, release the rest."""
+        if not self._stop.is_set():
+            log.info("worker %s draining (%d jobs running)", self._worker_id, len(self._active))
+        self._stop.set()
+
+    async def run(self) -> int:
+        """The main loop. Background tasks renew leases and listen for cancellations meanwhile."""
+        await self._redis(self._queue.register_worker, await self._info(), self._card)
+        tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop())]
+        code = 0
+        try:
+            code = await self._serve()
+        finally:
+            await self._shutdown(tasks)
+        return code
+
+    async def _serve(self) -> int:
+        drain_deadline: float | None = None
+        while True:
+            if self._stop.is_set():
+                drain_deadline = drain_deadline or time.monotonic() + self._settings.drain_timeout_s
+                if not self._active or time.monotonic() >= drain_deadline:
+                    return 0
+            await self._apply_control()
+            if not self._stop.is_set():
+                await self._fill()
+            if self._active:
+                if not await self._step():
+                    return 1
+            else:
+                await self._idle()
+
+    async def _idle(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), IDLE_POLL_S)
+
+    # --- claiming -------------------------------------------------------------------------------------------
+
+    async def _fill(self) -> None:
+        """Claim jobs one by one while the engine has room for another request."""
+        for _ in range(CLAIMS_PER_STEP):
+            if not await self._on_engine(self._engine.has_capacity):
+                return
+            jobs = await self._redis(self._queue.claim, self._model, self._worker_id, 1)
+            if not jobs:
+                return
+            for job in jobs:
+                await self._start(job)
+
+    async def _start(self, job: ClaimedJob) -> None:
+        """Add the job's requests to the engine; a job the engine refuses fails with the reason."""
+        try:
+            await self._on_engine(self._add_requests, job.submission)
+        except Exception as exc:  # bad params, prompt too long, template error: this job's fault, not ours
+            log.warning("job %s rejected: %s", job.submission.id, exc, extra={"job_id": job.submission.id})
+            await self._redis(self._queue.fail, job.submission.id, job.fence, f"invalid job: {exc}")
+            return
+        self._active[job.submission.id] = ActiveJob.start(job)
+        log.info("job %s started (attempt %d)", job.submission.id, job.attempt, extra={"job_id": job.submission.id})
+
+    def _add_requests(self, job: JobSubmission) -> None:
+        """Engine thread: the job's n requests, all or none."""
+        if job.model != self._model:
+            raise ValueError(f"model: this worker serves {self._model!r}, not {job.model!r}")
+        prompt = prompt_token_ids(job, self._engine.tokenizer)
+        params = SamplingParams(**job.params.model_dump())
+        added: list[str] = []
+        try:
+            for i in range(job.n):
+                self._engine.add_request(request_id(job.id, i), prompt, params, priority=job.priority)
+                added.append(request_id(job.id, i))
+        except Exception:
+            for rid in added:
+                self._engine.abort(rid)
+            raise
+
+    # --- stepping -------------------------------------------------------------------------------------------
+
+    async def _step(self) -> bool:
+        """One engine step; its deltas go out in one pipeline, then finished jobs are completed.
+        False when the engine failed (its jobs are released, charged, and the worker exits)."""
+        try:
+            outputs = await self._on_engine(self._step_engine)
+        except Exception:
+            log.exception("engine step failed; releasing %d jobs", len(self._active))
+            for job in list(self._active.values()):
+                await self._redis(self._queue.release, job.job_id, job.claim.fence, True)
+            self._active.clear()
+            return False
+        events: dict[str, list[TokenEvent]] = {}
+        for out, logprobs in outputs:
+            job_id, index = split_request_id(out.request_id)
+            job = self._active.get(job_id)
+            if job is None:
+                continue
+            event = job.apply(out, index, logprobs)
+            if event is not None:
+                events.setdefault(job_id, []).append(event)
+        if events:
+            batches = [(jid, self._active[jid].claim.fence, evs) for jid, evs in events.items()]
+            accepted = await self._redis(self._queue.publish_many, batches)
+            self._lost.update(jid for (jid, _, _), ok in zip(batches, accepted, strict=True) if not ok)
+        for job in [j for j in self._active.values() if j.done and j.job_id not in self._lost]:
+            await self._finish(job)
+        return True
+
+    def _step_engine(self) -> list[tuple[StepOutput, list[TokenLogprob] | None]]:
+        """Engine thread: a step, with logprob token texts decoded here (the tokenizer lives on this thread)."""
+        return [(out, to_token_logprobs(out.logprobs, self._engine.tokenizer) if out.logprobs else None)
+                for out in self._engine.step()]
+
+    async def _finish(self, job: ActiveJob) -> None:
+        del self._active[job.job_id]
+        ok = await self._redis(self._queue.complete, job.job_id, job.claim.fence, job.result())
+        if ok:
+            log.info("job %s finished", job.job_id, extra={"job_id": job.job_id})
+        else:
+            log.warning("job %s result rejected: lease lost (stale fence)", job.job_id, extra={"job_id": job.job_id})
+
+    # --- control: lost leases, cancellations, heartbeat -------------------------------------------------------
+
+    async def _apply_control(self) -> None:
+        """Abort jobs whose lease was lost (dropped) and jobs cancelled by a client (completed as cancelled)."""
+        lost, self._lost = self._lost & self._active.keys(), set()
+        for job_id in lost:
+            job = self._active.pop(job_id)
+            await self._on_engine(self._abort_all, job.unfinished_request_ids())
+            log.warning("job %s dropped: lease lost", job_id, extra={"job_id": job_id})
+        cancelled, self._cancelled = self._cancelled & self._active.keys(), set()
+        for job_id in cancelled:
+            job = self._active[job_id]
+            await self._on_engine(self._abort_all, job.unfinished_request_ids())
+            job.abort()
+            log.info("job %s cancelled", job_id, extra={"job_id": job_id})
+            await self._finish(job)
+
+    def _abort_all(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._engine.abort(rid)
+
+    async def _heartbeat_loop(self) -> None:
+        """Renew leases, refresh the worker's registration and reap expired leases, every heartbeat."""
+        while True:
+            await asyncio.sleep(self._settings.heartbeat_interval_s)
+            try:
+                fences = {job_id: job.claim.fence for job_id, job in self._active.items()}
+                self._lost.update(await self._redis(self._queue.renew, self._worker_id, fences))
+                await self._redis(self._queue.register_worker, await self._info(), self._card)
+                await self._redis(self._queue.reap_expired)
+            except Exception:
+                log.exception("heartbeat of worker %s failed", self._worker_id)
+
+    async def _cancel_loop(self) -> None:
+        async for job_id in self._queue.cancellations(self._worker_id):
+            self._cancelled.add(job_id)
+
+    async def _info(self) -> WorkerInfo:
+        stats = await self._on_engine(self._engine.stats)
+        return WorkerInfo(id=self._worker_id, model=self._model, max_num_seqs=self._settings.max_num_seqs,
+                          num_running=stats.num_running, num_waiting=stats.num_waiting,
+                          kv_cache_usage=stats.kv_cache_usage, heartbeat_at=time.time(), started_at=self._started_at)
+
+    async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Release what did not finish (without charging the attempt), stop the helpers, leave the registry."""
+        for job in list(self._active.values()):
+            await self._on_engine(self._abort_all, job.unfinished_request_ids())
+            await self._redis(self._queue.release, job.job_id, job.claim.fence, False)
+            log.info("job %s released back to the queue", job.job_id, extra={"job_id": job.job_id})
+        self._active.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._redis(self._queue.deregister_worker, self._worker_id)
+        self._executor.shutdown(wait=True)
+
+    # --- plumbing -------------------------------------------------------------------------------------------
+
+    async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _redis(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """A queue call, retried through Redis outages (restart, failover) with jittered exponential backoff."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(TRANSIENT_ERRORS), wait=wait_random_exponential(multiplier=0.05, max=2.0),
+            stop=stop_after_delay(self._redis_retry_s), before_sleep=before_sleep_log(log, logging.WARNING),
+            reraise=True)
+        async for attempt in retrying:
+            with attempt:
+                return await fn(*args)
+        raise AssertionError("unreachable: tenacity reraises")
