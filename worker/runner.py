@@ -363,17 +363,26 @@ class Runner:
                           kv_cache_usage=stats.kv_cache_usage, heartbeat_at=time.time(), started_at=self._started_at)
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
-        """Release what did not finish (without charging the attempt), stop the helpers, leave the registry."""
-        for job in list(self._active.values()):
-            await self._on_engine(self._abort_all, job.unfinished_request_ids())
-            await self._redis(self._queue.release, job.job_id, job.claim.fence, False)
-            log.info("job %s released back to the queue", job.job_id, extra={"job_id": job.job_id})
-        self._active.clear()
+        """Release what did not finish (without charging the attempt), stop the helpers, leave the registry.
+
+        Redis gets one lease TTL to answer: after that the leases expire and reapers recover the jobs anyway
+        (charging the attempt), so waiting longer would only delay the exit.
+        """
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._redis(self._queue.deregister_worker, self._worker_id)
-        self._executor.shutdown(wait=True)
+        patience = self._settings.lease_ttl_s
+        try:
+            for job in list(self._active.values()):
+                await self._on_engine(self._abort_all, job.unfinished_request_ids())
+                await self._redis(self._queue.release, job.job_id, job.claim.fence, False, give_up_s=patience)
+                log.info("job %s released back to the queue", job.job_id, extra={"job_id": job.job_id})
+            await self._redis(self._queue.deregister_worker, self._worker_id, give_up_s=patience)
+        except TRANSIENT_ERRORS as exc:
+            log.error("could not release jobs or deregister (%s); their leases will expire", exc)
+        finally:
+            self._active.clear()
+            self._executor.shutdown(wait=True)
 
     # --- plumbing -------------------------------------------------------------------------------------------
 
@@ -381,11 +390,12 @@ class Runner:
         """Run ``fn`` on the engine thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def _redis(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    async def _redis(self, fn: Callable[..., Awaitable[T]], *args: Any, give_up_s: float | None = None) -> T:
         """A queue call, retried through Redis outages (restart, failover) with jittered exponential backoff."""
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TRANSIENT_ERRORS), wait=wait_random_exponential(multiplier=0.05, max=2.0),
-            stop=stop_after_delay(self._redis_retry_s), before_sleep=before_sleep_log(log, logging.WARNING),
+            stop=stop_after_delay(give_up_s if give_up_s is not None else self._redis_retry_s),
+            before_sleep=before_sleep_log(log, logging.WARNING),
             reraise=True)
         async for attempt in retrying:
             with attempt:

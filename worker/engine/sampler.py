@@ -1,13 +1,18 @@
 """Batched next-token sampling with per-request parameters.
 
 One engine step builds a ``SamplingBatch`` (every per-request knob as a ``[B]`` tensor) and calls
-``Sampler()(logits, batch)``. The logits pass through, in vLLM's order:
+``Sampler()(logits, batch)``. The logits pass through, in this order:
 
-1. min_tokens: EOS and ``stop_token_ids`` get ``-inf`` while ``len(output) < min_tokens``;
+1. min_tokens: EOS and ``stop_token_ids`` get ``-inf`` while ``len(output) < min_tokens``. Under ``ignore_eos``
+   EOS is not masked, as in vLLM: EOS then never stops the request, so there is nothing to hold off, and it
+   may still be sampled (its text is empty) like any other token;
 2. repetition penalty (HF/vLLM: over prompt + output tokens, positive logits divided, negative multiplied);
 3. frequency and presence penalties (OpenAI: over output tokens, ``-= f * count + p * (count > 0)``);
 4. temperature (0 = greedy: exactly ``argmax`` of the penalised logits, as transformers' greedy search);
-5. top-k, 6. top-p, 7. min-p; then one draw from the softmax.
+5. top-k, 6. top-p, 7. min-p (transformers' warper order; vLLM v1 applies min-p before top-k/top-p, which
+   differs only when both are set), then one draw from the softmax.
+
+Log-probabilities are those of the raw model logits (vLLM's default), not of the processed distribution.
 
 Stages that no row uses are skipped, so a batch of plain ``temperature=1`` requests costs a softmax, an
 exponential draw and an argmax. Seeded requests draw with their own ``torch.Generator`` so their text does not
@@ -25,7 +30,7 @@ from worker.engine.outputs import Logprob
 from worker.engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TokenIndex:
     """Sparse ``(row, token_id)`` pairs, one per token occurrence; duplicates count (scatter-add)."""
 
@@ -33,7 +38,7 @@ class TokenIndex:
     token_ids: torch.Tensor  # [N] long
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq on tensors is ambiguous
 class SamplingBatch:
     """Per-step sampling tensors for B requests. Optional fields are ``None`` when every row is neutral.
 
@@ -63,7 +68,7 @@ class SamplingBatch:
         return int(self.temperature.shape[0])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SamplerOutput:
     """The chosen token per row and, where asked for, its log-probability record."""
 
@@ -240,6 +245,7 @@ def _exponential_race(probs: torch.Tensor, generators: tuple[torch.Generator | N
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero would make 0 / 0 = NaN win the argmax
     return (probs / noise).argmax(dim=-1)
 
 
