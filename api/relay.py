@@ -19,6 +19,7 @@ from shared.queue import JobQueue
 from shared.schemas import DoneEvent, ErrorEvent, JobRecord, JobSubmission, StreamEvent
 
 _END = object()
+CLOSE_TIMEOUT_S = 1.0
 
 
 class _Failure:
@@ -101,7 +102,9 @@ class JobRelay:
             return
         task, self._task = self._task, None
         task.cancel()
-        with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError, Exception):
+        # Bounded: a cancellation that lands while redis-py waits on a read with a timeout can be taken for
+        # that timeout and lost; the task then ends at the next poll, and nobody needs to wait for it here.
+        with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True), contextlib.suppress(asyncio.CancelledError, Exception):
             await task
 
 

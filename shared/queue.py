@@ -423,7 +423,7 @@ class _StreamReader:
         while True:
             try:
                 for raw in pending:
-                    if raw["seq"] <= self._last:
+                    if raw["seq"] <= self._last and not raw.get("again"):
                         continue
                     event = await self._expand(raw)
                     self._last = event.seq
@@ -461,8 +461,11 @@ class _StreamReader:
         record = await self._queue.get(self._job_id)
         if record is None:
             return [{"type": "error", "seq": self._last + 1, "message": f"job {self._job_id} not found or expired"}]
-        if record.status.is_terminal and not await self._queue.redis.exists(keys.job_log(self._job_id)):
-            return [{"type": "done", "seq": self._last + 1}]
+        if record.status.is_terminal:
+            # It may have finished since the read above: its last events are in the log now, if anywhere.
+            entries = await self._queue.replay(self._job_id, self._last)
+            # Else the log ended at or before ``after_seq`` (a client resuming after the end): end again.
+            return entries or [{"type": "done", "seq": max(self._last, 1), "again": True}]
         return []
 
     async def _expand(self, raw: dict[str, Any]) -> StreamEvent:

@@ -61,7 +61,7 @@ class _JobOptions(GenerationParams):
     background: bool = Field(False, description="stored with the job; jobs submitted here always run to the end")
 
     def params(self) -> GenerationParams:
-        return GenerationParams(**self.model_dump(include=_PARAM_FIELDS))
+        return GenerationParams(**self.model_dump(include=set(_PARAM_FIELDS)))
 
 
 class JobCreate(_JobOptions):

@@ -190,7 +190,7 @@ def _chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
             content = "\n".join(part.text or "" for part in content)
         if content is None:
             raise invalid_request("message content is required", param=f"messages.{i}.content")
-        out.append(ChatMessage(role=message.role, content=content))  # type: ignore[arg-type]
+        out.append(ChatMessage(role=message.role, content=content))
     return out
 
 

@@ -41,16 +41,16 @@ WORDS = ["[UNK]", "hello", "world", "the", "quick", "brown", "fox", "<|im_start|
          "assistant", "system", "<|", "|>", "im_start", "im_end"]
 
 
-def test_tokenizer() -> Tokenizer:
+def word_tokenizer() -> Tokenizer:
     """A word-level tokenizer: one token per whitespace/punctuation-separated word, so counts are obvious."""
     tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = Whitespace()
     return tokenizer
 
 
-def test_card(name: str = MODEL, max_model_len: int = MAX_MODEL_LEN) -> ModelCard:
+def model_card(name: str = MODEL, max_model_len: int = MAX_MODEL_LEN) -> ModelCard:
     return ModelCard(name=name, max_model_len=max_model_len, eos_token_ids=[0], chat_template=CHATML,
-                     vocab_size=len(WORDS) + 1000, tokenizer_json=test_tokenizer().to_str(),
+                     vocab_size=len(WORDS) + 1000, tokenizer_json=word_tokenizer().to_str(),
                      special_tokens={"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"})
 
 
@@ -85,7 +85,7 @@ class FakeWorker:
                  token_delay_s: float = 0.0, worker_id: str = "fake-worker-1") -> None:
         self.redis_url = redis_url
         self.settings = settings
-        self.card = card or test_card()
+        self.card = card or model_card()
         self.token_delay_s = token_delay_s
         self.worker_id = worker_id
         self.claimed: list[str] = []
@@ -106,12 +106,7 @@ class FakeWorker:
     def stop(self) -> None:
         if self._main is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
-            try:
-                self._main.result(timeout=10)
-            except TimeoutError:
-                for task in asyncio.all_tasks(self._loop):
-                    task.print_stack()
-                raise
+            self._main.result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
@@ -125,9 +120,11 @@ class FakeWorker:
         tasks = {asyncio.create_task(self._claim_loop(queue)), asyncio.create_task(self._cancel_loop(queue)),
                  asyncio.create_task(self._heartbeat_loop(queue))}
         await self._stop.wait()
-        for task in tasks | self._running:
+        # The loops watch the stop flag: redis-py can swallow a CancelledError that lands mid-command, so
+        # cancellation alone does not reliably end a loop that keeps calling Redis.
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, *self._running, return_exceptions=True)
+        await asyncio.wait(tasks | self._running, timeout=1)
         await queue.deregister_worker(self.worker_id)
         await client.aclose()
 
@@ -137,7 +134,8 @@ class FakeWorker:
                           started_at=now)
 
     async def _heartbeat_loop(self, queue: JobQueue) -> None:
-        while True:
+        assert self._stop is not None
+        while not self._stop.is_set():
             await asyncio.sleep(1.0)
             await queue.register_worker(self._info(), self.card)
 
@@ -146,8 +144,9 @@ class FakeWorker:
             self.cancelled.add(job_id)
 
     async def _claim_loop(self, queue: JobQueue) -> None:
+        assert self._stop is not None
         running = self._running
-        while True:
+        while not self._stop.is_set():
             for job in await queue.claim(self.card.name, self.worker_id, 64):
                 self.claimed.append(job.submission.id)
                 task = asyncio.create_task(self._generate(queue, job))
@@ -164,6 +163,8 @@ class FakeWorker:
         reasons: list[FinishReason] = ["length"] * sub.n
         seq = 0
         for k in range(sub.params.max_tokens):
+            if self._stop is not None and self._stop.is_set():
+                return
             if sub.id in self.cancelled:
                 reasons = ["abort"] * sub.n
                 break

@@ -372,15 +372,23 @@ def test_configuration_builds_valid_settings(monkeypatch: pytest.MonkeyPatch) ->
     assert settings.heartbeat_interval_s * 3 <= settings.lease_ttl_s
 
 
-def test_pods_run_as_the_images_non_root_user() -> None:
+def test_pods_meet_the_restricted_pod_security_standard() -> None:
+    assert find("Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for workload in all_of("Deployment") + all_of("StatefulSet"):
+        name = workload["metadata"]["name"]
+        security = pod_spec(workload)["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] > 0, name
+        assert security["seccompProfile"]["type"] == "RuntimeDefault", name
+        for c in pod_spec(workload)["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], name
+
+
+def test_tokenspool_pods_run_as_the_images_user() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     image_uids = {int(uid) for uid in re.findall(r"^USER (\d+)", dockerfile, re.MULTILINE)}
     for workload in all_of("Deployment"):
-        security = pod_spec(workload)["securityContext"]
-        assert security["runAsNonRoot"] is True
-        assert {security["runAsUser"]} == image_uids, workload["metadata"]["name"]
-        for c in pod_spec(workload)["containers"]:
-            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert {pod_spec(workload)["securityContext"]["runAsUser"]} == image_uids, workload["metadata"]["name"]
 
 
 # --- the metrics contract ----------------------------------------------------------------------------------

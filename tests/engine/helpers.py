@@ -21,17 +21,22 @@ class Run:
     num_steps: int = 0
 
 
+    def record(self, events: list[StepOutput]) -> None:
+        """Fold one step's events in, checking the event stream's own invariants."""
+        for event in events:
+            assert event.request_id not in self.finished, "events after finished"
+            self.token_ids.setdefault(event.request_id, []).extend(event.new_token_ids)
+            self.text[event.request_id] = self.text.get(event.request_id, "") + event.text_delta
+            assert event.num_output_tokens == len(self.token_ids[event.request_id])
+            if event.finished:
+                self.finished[event.request_id] = event
+
+
 def drain(engine: Engine, run: Run | None = None) -> Run:
-    """Step until idle, checking the event stream's own invariants as it goes."""
+    """Step until idle, recording every event."""
     run = run or Run()
     while engine.has_unfinished():
-        for event in engine.step():
-            assert event.request_id not in run.finished, "events after finished"
-            run.token_ids.setdefault(event.request_id, []).extend(event.new_token_ids)
-            run.text[event.request_id] = run.text.get(event.request_id, "") + event.text_delta
-            assert event.num_output_tokens == len(run.token_ids[event.request_id])
-            if event.finished:
-                run.finished[event.request_id] = event
+        run.record(engine.step())
         run.max_waiting = max(run.max_waiting, engine.stats().num_waiting)
         run.num_steps += 1
     return run

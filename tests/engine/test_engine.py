@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.helpers import drain
+from tests.engine.helpers import Run, drain
 from worker.engine import Engine, EngineConfig, SamplingParams
 
 PROMPT = [5, 17, 301, 4000, 12, 99, 7, 250]
@@ -69,11 +69,14 @@ def test_stop_string_truncates_text(engine: Engine) -> None:
 def test_abort_frees_blocks_and_silences_the_request(engine: Engine) -> None:
     engine.add_request("keep", PROMPT, greedy(6))
     engine.add_request("drop", PROMPT * 4, greedy(50))
-    engine.step()
-    engine.step()
+    run = Run()
+    run.record(engine.step() + engine.step())
+    assert set(run.token_ids) == {"keep", "drop"}
     assert engine.abort("drop") is True
     assert engine.abort("drop") is False and engine.abort("never-seen") is False
-    run = drain(engine)
+    assert engine.stats().num_running == 1
+    del run.token_ids["drop"]
+    drain(engine, run)
     assert "drop" not in run.finished and "drop" not in run.token_ids
     assert run.finished["keep"].finish_reason == "length"
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

@@ -42,7 +42,7 @@ def test_tiny_models_match_generate(tiny_model: Path) -> None:
 @pytest.mark.slow
 def test_smollm2_matches_generate(smollm2: Path) -> None:
     engine_vocab = 49152
-    workload = mixed_workload(seed=5, num_requests=32, max_prompt=160, max_output=16, vocab=engine_vocab)
+    workload = mixed_workload(seed=5, num_requests=24, max_prompt=120, max_output=12, vocab=engine_vocab)
     config = EngineConfig(model=str(smollm2), block_size=16, num_kv_blocks=40, max_num_seqs=12,
                           max_num_batched_tokens=128)
     check_parity(smollm2, config, workload)

@@ -220,7 +220,8 @@ async def test_result_ttl_applies_to_every_key_of_the_job_at_the_end(queue: JobQ
     assert [await redis.ttl(k) for k in job_keys] == [-1, -1, -1]  # nothing expires while it runs
 
     await queue.complete(job.id, claim.fence, RESULT)
-    assert all(590 < await redis.ttl(k) <= 600 for k in job_keys)
+    ttls = [await redis.ttl(k) for k in job_keys]
+    assert all(590 < ttl <= 600 for ttl in ttls), ttls
 
 
 async def test_queue_cap_raises_queue_full_with_retry_after(redis: Redis, redis_url: str) -> None:

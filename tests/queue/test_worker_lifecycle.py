@@ -1,0 +1,97 @@
+"""Worker process lifecycle on a real Redis: SIGTERM drain (finish, or release after the timeout) and kill -9
+recovery by another worker. Tiny random Llama for speed; SmolLM2 where the greedy text must be true."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from queue_helpers import make_job, queue_settings
+from redis.asyncio import Redis
+from worker_process import WorkerProcess, client_text, read_all, read_first, wait_final, wait_tokens
+
+from shared.queue import JobQueue
+from shared.schemas import (
+    ChatMessage,
+    GenerationParams,
+    JobStatus,
+    RestartEvent,
+)
+
+pytestmark = pytest.mark.slow
+LONG = GenerationParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture()
+async def queue(redis_url: str) -> AsyncIterator[JobQueue]:
+    client = Redis.from_url(redis_url)
+    yield JobQueue(client, queue_settings(redis_url, lease_ttl_s=2), poll_interval_s=0.5)
+    await client.aclose()
+
+
+async def test_sigterm_lets_running_jobs_finish_then_exits_0(tiny_llama: Path, queue: JobQueue, redis_url: str,
+                                                              tmp_path: Path) -> None:
+    worker = WorkerProcess(redis_url, tiny_llama, tmp_path, "drain-w1", drain_timeout_s=60).start()
+    try:
+        job = make_job(params=LONG)
+        await queue.submit(job)
+        await wait_tokens(queue, job.id, 3)
+        worker.signal(signal.SIGTERM)
+        queued = make_job(params=LONG)
+        await queue.submit(queued)  # a draining worker claims nothing new
+        assert await asyncio.to_thread(worker.wait, 60) == 0, worker.log_tail()
+        record = await queue.get(job.id)
+        assert record is not None and record.status is JobStatus.SUCCEEDED and record.usage.completion_tokens == 400
+        assert (await queue.get(queued.id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
+        assert await queue.live_workers() == []
+    finally:
+        worker.stop()
+
+
+async def test_sigterm_releases_what_outlives_the_drain_timeout(tiny_llama: Path, queue: JobQueue,
+                                                                 redis_url: str, tmp_path: Path) -> None:
+    worker = WorkerProcess(redis_url, tiny_llama, tmp_path, "drain-w2", drain_timeout_s=0.1).start()
+    try:
+        job = make_job(params=GenerationParams(max_tokens=1000, temperature=0, ignore_eos=True))
+        await queue.submit(job)
+        await wait_tokens(queue, job.id, 3)
+        worker.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.wait, 30) == 0, worker.log_tail()
+        record = await queue.get(job.id)
+        assert record is not None and (record.status, record.attempts) == (JobStatus.QUEUED, 0)
+        assert isinstance((await read_first(queue, job.id)), RestartEvent)
+    finally:
+        worker.stop()
+
+
+async def test_kill_9_mid_generation_another_worker_finishes_with_the_same_greedy_text(
+        smollm2: Path, queue: JobQueue, redis_url: str, tmp_path: Path) -> None:
+    params = GenerationParams(max_tokens=40, temperature=0)
+    job = make_job(model="smollm2", messages=[ChatMessage(role="user", content="Tell me about the sea.")],
+                   prompt=None, params=params)
+    first = WorkerProcess(redis_url, smollm2, tmp_path, "smol-w1", name="smollm2").start()
+    second = WorkerProcess(redis_url, smollm2, tmp_path, "smol-w2", name="smollm2")
+    try:
+        await queue.submit(job)
+        reader = asyncio.create_task(read_all(queue, job.id))
+        await wait_tokens(queue, job.id, 3)
+        first.signal(signal.SIGKILL)
+        first.wait(10)
+        second.start()  # its reaper requeues the job once the dead worker's 2 s lease expires
+
+        record = await wait_final(queue, job.id, 120)
+        assert record.status is JobStatus.SUCCEEDED and record.worker_id == "smol-w2", second.log_tail()
+        assert record.attempts == 2
+        events = await asyncio.wait_for(reader, 30)
+        assert any(isinstance(e, RestartEvent) for e in events)
+        assert client_text(events) == record.text
+
+        fresh = job.model_copy(update={"id": job.id + "x2"})  # the same greedy job, uninterrupted
+        await queue.submit(fresh)
+        assert (await wait_final(queue, fresh.id, 120)).text == record.text
+    finally:
+        first.stop()
+        second.stop()

@@ -1,0 +1,147 @@
+"""One real worker process (tiny random Llama) serving a real Redis: a raw-protocol client, concurrency, bad jobs,
+cancellation and a Redis restart mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from queue_helpers import make_job, queue_settings
+from redis.asyncio import Redis
+from worker_process import WorkerProcess, client_text, read_all, wait_final, wait_tokens
+
+from shared import keys
+from shared.queue import JobQueue
+from shared.redis_server import RedisServer
+from shared.schemas import (
+    ChatMessage,
+    DoneEvent,
+    GenerationParams,
+    JobStatus,
+)
+
+pytestmark = pytest.mark.slow
+LUA_SUBMIT = Path(__file__).resolve().parents[2] / "shared" / "lua" / "submit.lua"
+LONG = GenerationParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_worker(redis_server: RedisServer, tiny_llama: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    worker = WorkerProcess(redis_server.url, tiny_llama, tmp_path_factory.mktemp("logs"), "tiny-w1")
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture()
+async def queue(redis_url: str) -> AsyncIterator[JobQueue]:
+    client = Redis.from_url(redis_url)
+    yield JobQueue(client, queue_settings(redis_url, lease_ttl_s=2), poll_interval_s=0.5)
+    await client.aclose()
+
+
+async def test_job_submitted_with_raw_redis_commands_is_completed(tiny_worker: WorkerProcess,
+                                                                  redis_url: str) -> None:
+    """Another backend: EVAL the shipped submit.lua, poll the record, read result and tokens. No project code."""
+    job_id = "rawbackend-job-1"
+    body = json.dumps({"id": job_id, "model": "tiny", "prompt": "Once upon a time",
+                       "params": {"max_tokens": 12, "temperature": 0}})
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        reply = r.eval(LUA_SUBMIT.read_text(), 3, f"ts:job:{{{job_id}}}", "ts:queue:{tiny}",
+                       "ts:queue:{tiny}:seq", body, 10000)
+        assert reply[0] == "created"
+        deadline = time.monotonic() + 60
+        while r.hget(f"ts:job:{{{job_id}}}", "status") not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, tiny_worker.log_tail()
+            time.sleep(0.05)
+        record = r.hgetall(f"ts:job:{{{job_id}}}")
+        log = [json.loads(fields["data"]) for _, fields in r.xrange(f"ts:job:{{{job_id}}}:log")]
+
+    assert record["status"] == "succeeded", record.get("error")
+    result = json.loads(record["result"])
+    assert result["usage"]["completion_tokens"] == 12 and result["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["text"] for e in log if e["type"] == "token") == result["choices"][0]["text"]
+    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
+    assert log[-1] == {"seq": len(log), "type": "done", "status": "succeeded"}
+    assert float(record["created_at"]) <= float(record["started_at"]) <= float(record["first_token_at"]) \
+        <= float(record["finished_at"])
+
+
+async def test_jobs_run_concurrently(tiny_worker: WorkerProcess, queue: JobQueue) -> None:
+    jobs = [make_job(prompt=f"Story number {i}", params=GenerationParams(max_tokens=150, ignore_eos=True, seed=i))
+            for i in range(4)]
+    for job in jobs:
+        await queue.submit(job)
+    records = [await wait_final(queue, job.id) for job in jobs]
+    assert all(r.status is JobStatus.SUCCEEDED and r.usage.completion_tokens == 150 for r in records)
+    assert max(r.started_at for r in records) < min(r.finished_at for r in records)  # type: ignore[type-var]
+    assert {r.worker_id for r in records} == {"tiny-w1"}
+    [info] = await queue.live_workers()
+    card = await queue.model_card("tiny")
+    assert info.id == "tiny-w1" and card is not None and card.max_model_len == 1024 and card.vocab_size == 49152
+
+
+async def test_bad_jobs_fail_clearly_and_the_worker_keeps_serving(tiny_worker: WorkerProcess, queue: JobQueue,
+                                                                  redis_url: str) -> None:
+    too_long = make_job(prompt=None, prompt_token_ids=[5] * 2000)
+    bad_token = make_job(prompt=None, prompt_token_ids=[10**6])
+    await queue.submit(too_long)
+    await queue.submit(bad_token)
+    with redis.Redis.from_url(redis_url) as r:  # pushed by hand: a job for another model in this queue
+        r.hset(keys.job("wrongmodel-1"), mapping={
+            "id": "wrongmodel-1", "model": "tiny", "status": "queued", "score": 0, "attempts": 0, "fence": 0,
+            "seq": 0, "submission": json.dumps({"id": "wrongmodel-1", "model": "other", "prompt": "x"})})
+        r.zadd(keys.queue("tiny"), {"wrongmodel-1": 0})
+    chat = make_job(prompt=None, messages=[ChatMessage(role="user", content="Hi!")],
+                    params=GenerationParams(max_tokens=5, temperature=0))
+    await queue.submit(chat)
+
+    assert "max_model_len" in ((await wait_final(queue, too_long.id)).error or "")
+    assert "prompt_token_ids[0]" in ((await wait_final(queue, bad_token.id)).error or "")
+    assert "do not match" in ((await wait_final(queue, "wrongmodel-1")).error or "")
+    done = await wait_final(queue, chat.id)
+    assert done.status is JobStatus.SUCCEEDED and done.usage.completion_tokens == 5
+    assert tiny_worker.proc is not None and tiny_worker.proc.poll() is None
+
+
+async def test_cancel_a_running_job(tiny_worker: WorkerProcess, queue: JobQueue) -> None:
+    job = make_job(params=GenerationParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    await queue.submit(job)
+    await wait_tokens(queue, job.id, 3)
+    async with queue.open_stream(job.id) as stream:
+        cancelled_at = time.monotonic()
+        await queue.cancel(job.id)
+        events = [event async for event in stream]
+    record = await wait_final(queue, job.id, 5)
+    assert time.monotonic() - cancelled_at < 2.0
+    assert record.status is JobStatus.CANCELLED and record.finish_reason == "abort"
+    assert 0 < record.usage.completion_tokens < 1000
+    assert isinstance(events[-1], DoneEvent) and events[-1].job.status is JobStatus.CANCELLED
+    assert client_text(events) == record.text
+
+
+async def test_redis_restart_mid_run_loses_nothing(tiny_worker: WorkerProcess, queue: JobQueue,
+                                                   redis_server: RedisServer) -> None:
+    jobs = [make_job(prompt=f"Tale {i}", params=LONG) for i in range(3)]
+    for job in jobs:
+        await queue.submit(job)
+    reader = asyncio.create_task(read_all(queue, jobs[0].id))
+    await wait_tokens(queue, jobs[0].id, 5)
+
+    await asyncio.to_thread(redis_server.restart)  # SIGTERM: the AOF is flushed, then the same port and data
+
+    records = [await wait_final(queue, job.id, 90) for job in jobs]
+    assert [r.status for r in records] == [JobStatus.SUCCEEDED] * 3, tiny_worker.log_tail()
+    assert all(r.usage.completion_tokens == 400 for r in records)
+    events = await asyncio.wait_for(reader, 30)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert client_text(events) == records[0].text
+    assert tiny_worker.proc is not None and tiny_worker.proc.poll() is None
+
+
