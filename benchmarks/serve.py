@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import sys
@@ -205,7 +206,9 @@ def run_queue_cost(argv: list[str] | None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": sys.version},
+        # The load average tells a reader whether other work shared the CPUs (CPU numbers are noise then).
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": sys.version,
+                    "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
         "settings": {k: v for k, v in settings.model_dump(mode="json").items() if k not in ("api_keys", "redis_url")},
         "base_url": args.base_url or "private stack",
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,

@@ -385,7 +385,9 @@ async def _subscribe(pubsub: PubSub, channel: str) -> None:
 async def _close_quietly(pubsub: PubSub) -> None:
     """Close a pub/sub connection that may already be broken."""
     with suppress(*TRANSIENT_ERRORS):
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        # Bounded: closing a connection whose reader was just cancelled can wait on a lock forever.
+        async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S / 5):
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
 class _StreamReader:

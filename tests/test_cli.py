@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fcntl
+import io
+import json
 import logging
 import os
 import signal
@@ -11,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import redis
 
 from shared.cli import COMMAND_FIELDS, build_parser, build_settings, env_var, main, settings_table
 from shared.config import Settings
+from shared.logging_setup import configure_logging
 from shared.redis_server import RedisServer, free_port
 from shared.supervisor import ChildSpec, Supervisor, settings_env
 
@@ -179,6 +182,56 @@ def test_settings_env_round_trips_through_the_environment(monkeypatch: pytest.Mo
         if value:
             monkeypatch.setenv(key, value)
     assert Settings() == original
+
+
+# --- structured logging (what `tokenspool api|worker|up` write to stderr) --------------------------------------
+
+
+@pytest.fixture()
+def json_log() -> Iterator[io.StringIO]:
+    """Logging configured as the processes do, into a buffer; the root logger restored afterwards."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    stream = io.StringIO()
+    configure_logging("DEBUG", stream=stream)
+    try:
+        yield stream
+    finally:
+        logging.captureWarnings(False)
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+
+
+def test_log_lines_are_json_with_extra_fields(json_log: io.StringIO) -> None:
+    log = logging.getLogger("tokenspool.test")
+    log.info("job %s finished", "job-1", extra={"job_id": "job-1", "folder": Path("/models/x")})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("claim failed\nfor job %s", "job-2", extra={"job_id": "job-2"})
+    log.debug("debug is on")
+    lines = json_log.getvalue().splitlines()
+    assert len(lines) == 3  # one line per event, even with a newline and a traceback inside
+    first, second, third = (json.loads(line) for line in lines)
+    assert {k: first[k] for k in ("level", "logger", "msg", "job_id", "folder")} == {
+        "level": "INFO", "logger": "tokenspool.test", "msg": "job job-1 finished", "job_id": "job-1",
+        "folder": "/models/x"}
+    assert first["ts"].endswith("+00:00") and "T" in first["ts"]
+    assert second["level"] == "ERROR" and second["msg"] == "claim failed\nfor job job-2"
+    assert second["job_id"] == "job-2" and "ValueError: boom" in second["exc"]
+    assert third["msg"] == "debug is on"
+
+
+def test_configuring_twice_does_not_duplicate_lines(json_log: io.StringIO) -> None:
+    configure_logging("WARNING", stream=json_log)
+    logging.getLogger("tokenspool.test").info("hidden at WARNING")
+    logging.getLogger("tokenspool.test").warning("shown")
+    assert [json.loads(line)["msg"] for line in json_log.getvalue().splitlines()] == ["shown"]
+
+
+def test_unknown_log_level_is_rejected() -> None:
+    with pytest.raises(ValueError, match="log_level must be one of"):
+        configure_logging("LOUD")
 
 
 # --- the `up` supervisor, with real processes ----------------------------------------------------------------

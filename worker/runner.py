@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLAIMS_PER_STEP = 16  # jobs claimed between two engine steps at most, so a deep queue cannot stall decoding
 IDLE_POLL_S = 0.05  # how often an idle worker asks for work
-REDIS_RETRY_S = 300.0  # a Redis outage longer than this ends the worker (exit 1) for its supervisor to restart
+REDIS_RETRY_S = 300.0
+TASK_STOP_S = 2.0  # how long shutdown waits for the heartbeat and cancellation tasks to unwind  # a Redis outage longer than this ends the worker (exit 1) for its supervisor to restart
 
 
 class Tokenizer(Protocol):
@@ -370,7 +371,9 @@ class Runner:
         """
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        _, stuck = await asyncio.wait(tasks, timeout=TASK_STOP_S)
+        if stuck:
+            log.warning("%d helper tasks did not stop within %s s; leaving them", len(stuck), TASK_STOP_S)
         patience = self._settings.lease_ttl_s
         try:
             for job in list(self._active.values()):
