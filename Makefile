@@ -63,9 +63,11 @@ setup: venv
 up: setup
 	"$(BIN)/tokenspool" up --model "$(MODEL)" $(ARGS)
 
+# Both run even when ruff fails, so a lint nit never hides the test results; either failing fails `make test`.
 test: setup
-	"$(BIN)/ruff" check .
-	"$(BIN)/pytest" $(PYTEST_ARGS)
+	@lint=0; "$(BIN)/ruff" check . || lint=$$?; \
+	"$(BIN)/pytest" $(PYTEST_ARGS) || exit $$?; \
+	exit $$lint
 
 lint: setup
 	"$(BIN)/ruff" check .

@@ -311,7 +311,7 @@ def run_up(settings: Settings) -> int:
         previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in handled}
         try:
             supervisor.start()
-            host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
+            host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)
             base_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             healthy = _throttled(lambda: _http_ok(f"{base_url}/healthz"), interval_s=0.5)
             code = supervisor.wait(until=healthy, timeout_s=STARTUP_TIMEOUT_S)

@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLAIMS_PER_STEP = 16  # jobs claimed between two engine steps at most, so a deep queue cannot stall decoding
 IDLE_POLL_S = 0.05  # how often an idle worker asks for work
-REDIS_RETRY_S = 300.0
-TASK_STOP_S = 2.0  # how long shutdown waits for the heartbeat and cancellation tasks to unwind  # a Redis outage longer than this ends the worker (exit 1) for its supervisor to restart
+REDIS_RETRY_S = 300.0  # a Redis outage longer than this ends the worker (exit 1) for its supervisor to restart
+TASK_STOP_S = 2.0  # how long shutdown waits for the heartbeat and cancellation tasks to unwind
 
 
 class Tokenizer(Protocol):
@@ -209,7 +209,8 @@ class Runner:
     async def run(self) -> int:
         """The main loop. Background tasks renew leases and listen for cancellations meanwhile."""
         await self._redis(self._queue.register_worker, await self._info(), self._card)
-        tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_loop())]
+        tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+                 asyncio.create_task(self._cancel_loop(), name="cancellations")]
         code = 0
         try:
             code = await self._serve()
@@ -373,7 +374,8 @@ class Runner:
             task.cancel()
         _, stuck = await asyncio.wait(tasks, timeout=TASK_STOP_S)
         if stuck:
-            log.warning("%d helper tasks did not stop within %s s; leaving them", len(stuck), TASK_STOP_S)
+            log.warning("helper tasks %s did not stop within %s s; leaving them", sorted(t.get_name() for t in stuck),
+                        TASK_STOP_S, extra={"stacks": [repr(t.get_stack()) for t in stuck]})
         patience = self._settings.lease_ttl_s
         try:
             for job in list(self._active.values()):

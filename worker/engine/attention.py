@@ -78,6 +78,7 @@ def prepare_single_token_mask(context_lens: torch.Tensor, width: int) -> torch.T
 def _attend_single_tokens(layer: int, query: torch.Tensor, ctx: PagedContext, scaling: float) -> torch.Tensor:
     """``query``: [T, H, D]; returns [Bs, H, D] for the single-token queries."""
     meta = ctx.metadata
+    assert meta.single_token_idx is not None and meta.single_block_tables is not None
     q = query[meta.single_token_idx].unsqueeze(2)  # [Bs, H, 1, D]
     keys, values = ctx.kv_cache.gather(layer, meta.single_block_tables)  # [Bs, L, kvh, D]
     out = F.scaled_dot_product_attention(q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
@@ -108,7 +109,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """
     if paged_context is None:
         raise RuntimeError(f"{PAGED_ATTENTION_NAME} attention needs paged_context=...; call it via the ModelRunner")
-    layer = module.layer_idx
+    layer = int(module.layer_idx)  # type: ignore[arg-type]  # set by every transformers attention module
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     meta = paged_context.metadata
     paged_context.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))

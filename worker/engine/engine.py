@@ -10,13 +10,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, FinishReason, Logprob, RequestOutput, StepOutput
 from worker.engine.request import Request, validate_request
@@ -79,7 +80,7 @@ class Engine:
             request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
             arrival=next(self._arrivals), max_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             generator=make_generator(params.seed, self.runner.device),
-            detokenizer=IncrementalDetokenizer(self._tokenizer, prompt, params.stop),
+            detokenizer=IncrementalDetokenizer(cast(Tokenizer, self._tokenizer), prompt, params.stop),
         )
         self._requests[request_id] = request
         self.scheduler.add(request)

@@ -50,8 +50,9 @@ class ModelRunner:
         device = pick_device(config)
         dtype = pick_dtype(config, device)
         attn_name = register_paged_attention()
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_name)
-        self.model.to(device).eval()
+        self.model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation=attn_name)
+        self.model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() via a decorator
         self.shape = model_shape(self.model.config)
         self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
         self.kv_cache = KVCache(self.shape, self.plan)
@@ -69,7 +70,8 @@ class ModelRunner:
         result = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             logits_to_keep=logits_indices,
                             paged_context=PagedContext(self.kv_cache, metadata))
-        return result.logits[0].float()  # [num_sampled, V]
+        logits: torch.Tensor = result.logits[0].float()  # [num_sampled, V]
+        return logits
 
     def prepare_inputs(self, chunks: Sequence[ScheduledChunk]
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

@@ -133,8 +133,9 @@ class Scheduler:
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
-        return ScheduledChunk(request_id=request.request_id, token_ids=tuple(request.token_ids_slice(start, start + num_new)),
-                              start_position=start, block_ids=tuple(request.block_ids),
+        token_ids = tuple(request.token_ids_slice(start, start + num_new))
+        return ScheduledChunk(request_id=request.request_id, token_ids=token_ids, start_position=start,
+                              block_ids=tuple(request.block_ids),
                               needs_logits=request.num_computed_tokens == request.num_tokens)
 
     def _preempt(self, request: Request) -> None:
