@@ -38,7 +38,9 @@ class Settings(BaseSettings):
     # --- API -----------------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="accepted Bearer keys; empty = no auth"
+    )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="largest request body accepted")
     max_tokens_cap: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(8, ge=1, description="largest n (choices per request)")

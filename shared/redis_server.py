@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,19 @@ class RedisServer:
         appendonly: bool = True,
         password: str | None = None,
         binary: str | None = None,
+        detached: bool = False,
+        preexec_fn: Callable[[], object] | None = None,
     ) -> None:
+        """``detached`` puts the server in its own session so a terminal's Ctrl-C reaches only our supervisor,
+        which can then stop Redis last, after the workers have drained; ``preexec_fn`` runs in the child
+        before exec (e.g. to ask for a signal when the parent dies)."""
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
         self.password = password
         self.binary = binary or find_redis_server()
+        self.detached = detached
+        self.preexec_fn = preexec_fn
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,7 +97,13 @@ class RedisServer:
         if self.running:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            self._args(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=self.detached,
+            preexec_fn=self.preexec_fn,
+        )
         self._wait_ready(timeout_s)
         log.info("redis-server started on port %d (data in %s)", self.port, self.data_dir)
         return self

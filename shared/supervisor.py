@@ -64,20 +64,6 @@ class _ParentDeathSignal:
             os._exit(1)
 
 
-class _DetachedRedisServer(RedisServer):
-    """A RedisServer in its own session, so Ctrl-C in the terminal reaches the supervisor only and Redis
-    outlives the workers while they drain."""
-
-    def start(self, timeout_s: float = 10.0) -> _DetachedRedisServer:
-        if self.running:
-            return self
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=_ParentDeathSignal())
-        self._wait_ready(timeout_s)
-        return self
-
-
 class Supervisor:
     """Runs the API and workers (and optionally Redis), watches them, and stops them in order."""
 
@@ -303,7 +289,8 @@ def run_up(settings: Settings) -> int:
         redis = None
         if embedded:  # the same folder as `tokenspool api`'s embedded Redis, so both see one queue
             redis_dir = settings.data_dir / "redis"
-            redis = _DetachedRedisServer(redis_dir, port=_redis_port(redis_dir), binary=redis_binary)
+            redis = RedisServer(redis_dir, port=_redis_port(redis_dir), binary=redis_binary, detached=True,
+                                preexec_fn=_ParentDeathSignal())
         redis_url = redis.url if redis is not None else str(settings.redis_url)
         api, workers = child_specs(settings, redis_url, port)
         supervisor = Supervisor(api, workers, redis)

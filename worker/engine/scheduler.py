@@ -114,6 +114,8 @@ class Scheduler:
                 self._release_blocks(request)  # a waiting request must not sit on blocks
                 break
             heapq.heappop(self._waiting)
+            if self.pool.enable_caching and request.num_preemptions == 0:
+                self._record_prefix_hit(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = num_new
@@ -169,10 +171,12 @@ class Scheduler:
         self.pool.touch(hits)
         request.block_ids = hits
         request.num_computed_tokens = len(hits) * self.block_size
-        if request.num_preemptions == 0 and not request.output_token_ids:
-            self.prefix_cache_queries += request.num_prompt_tokens
-            self.prefix_cache_hits += request.num_computed_tokens
-            request.num_cached_tokens = request.num_computed_tokens
+
+    def _record_prefix_hit(self, request: Request) -> None:
+        """Count a first admission's prompt lookup (not retries, not recomputes after preemption)."""
+        self.prefix_cache_queries += request.num_prompt_tokens
+        self.prefix_cache_hits += request.num_computed_tokens
+        request.num_cached_tokens = request.num_computed_tokens
 
     def cache_computed_blocks(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """After the forward pass: publish the hashes of blocks that just became full (prefix caching)."""
