@@ -40,6 +40,8 @@ async def test_sigterm_lets_running_jobs_finish_then_exits_0(tiny_llama: Path, q
         await queue.submit(job)
         await wait_tokens(queue, job.id, 3)
         worker.signal(signal.SIGTERM)
+        while "draining" not in worker.log_tail():  # the signal is handled between two engine steps
+            await asyncio.sleep(0.02)
         queued = make_job(params=LONG)
         await queue.submit(queued)  # a draining worker claims nothing new
         assert await asyncio.to_thread(worker.wait, 60) == 0, worker.log_tail()
