@@ -40,7 +40,9 @@ COMMAND_FIELDS: dict[str, tuple[str, ...]] = {
     "models": ("model_cache_dir", "log_level"),
 }
 
-BENCHMARKS = {"offline": "offline_throughput.py", "serve": "serve.py", "speculative": "speculative.py"}
+# `bench serve` is the installed load generator (shared/loadgen.py); the others are scripts in benchmarks/.
+BENCHMARKS = {"offline": "offline_throughput.py", "queue-cost": "serve.py", "speculative": "speculative.py",
+              "serve": ""}
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         for field in COMMAND_FIELDS["models"]:
             _add_setting(sub, field)
 
-    bench = commands.add_parser("bench", help="run a benchmark from benchmarks/ (offline, serve, speculative)")
+    bench = commands.add_parser("bench", help="load-test a running API (serve) or run a script from benchmarks/")
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS), nargs="?", default="offline")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark script")
 
@@ -173,6 +175,10 @@ def _run_models(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.benchmark == "serve":
+        from shared.loadgen import run_bench_serve
+
+        return run_bench_serve(list(args.args))
     script = BENCHMARKS_DIR / BENCHMARKS[args.benchmark]
     if not script.is_file():
         print(f"tokenspool bench {args.benchmark}: {script} does not exist yet (it comes with the benchmark issue)",
