@@ -267,8 +267,9 @@ def render_markdown(report: dict) -> str:
     lines += [f"| {k} | {v:.2f}x |" for k, v in report["ratios"].items()]
     if report["decode_efficiency"]:
         lines += ["", "| decode batch | step ms | GFLOP/s | of matmul rate |", "|---:|---:|---:|---:|"]
-        lines += [f"| {e['batch']} | {e['step_seconds'] * 1e3:.1f} | {e['gflops']:.1f} | {e['fraction_of_matmul']:.0%} |"
-                  for e in report["decode_efficiency"]]
+        for e in report["decode_efficiency"]:
+            ms, share = e["step_seconds"] * 1e3, e["fraction_of_matmul"]
+            lines.append(f"| {e['batch']} | {ms:.1f} | {e['gflops']:.1f} | {share:.0%} |")
     return "\n".join(lines) + "\n"
 
 
