@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from api.deps import Resources
 from api.errors import install_error_handlers
+from api.fleet import refresh_forever, refresh_interval_s
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimitMiddleware, MetricsMiddleware
 from api.routes import health, jobs, openai
@@ -32,14 +33,16 @@ def reap_interval_s(settings: Settings) -> float:
     return max(0.5, settings.lease_ttl_s / 3)
 
 
-async def _reap_forever(queue: JobQueue, interval_s: float) -> None:
+async def _reap_forever(queue: JobQueue, metrics: ApiMetrics, interval_s: float) -> None:
     """Requeue jobs whose worker lease expired. A failure (Redis down) is logged and retried next round."""
     while True:
         await asyncio.sleep(interval_s)
         try:
-            reaped = await queue.reap_expired()
+            reaped = await queue.reap()
+            for job in reaped:
+                metrics.job_reaped(job.model, job.status)
             if reaped:
-                log.info("reaped %d jobs with expired leases", reaped)
+                log.info("reaped %d jobs with expired leases", len(reaped))
         except Exception:
             log.warning("reaping expired leases failed; retrying in %.1f s", interval_s, exc_info=True)
 
@@ -54,13 +57,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     queue = JobQueue(client, settings)
     app.state.resources = Resources(redis=client, queue=queue,
                                     catalog=ModelCatalog(queue, settings.served_model_name))
-    reaper = asyncio.create_task(_reap_forever(queue, reap_interval_s(settings)), name="lease-reaper")
+    metrics: ApiMetrics = app.state.metrics
+    tasks = [asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings)), name="lease-reaper"),
+             asyncio.create_task(refresh_forever(metrics.fleet, queue, settings.served_model_name,
+                                                 refresh_interval_s(settings.heartbeat_interval_s)),
+                                 name="fleet-metrics")]
     try:
         yield
     finally:
-        reaper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reaper
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await client.aclose()
 
 

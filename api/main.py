@@ -23,7 +23,9 @@ def run_api(settings: Settings) -> None:
             log.info("no redis_url configured: started an embedded redis-server at %s", server.url)
             settings = settings.model_copy(update={"redis_url": server.url})
         app = create_app(settings)
+        # log_config=None: uvicorn keeps its hands off logging, so its lines go through our JSON handler.
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                    log_config=None,
                     # Streams are long-lived; let shutdown wait a little for them, then cancel (and so cancel
                     # their jobs unless they run in the background).
                     timeout_graceful_shutdown=5)

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from api.fleet import FleetCollector
+
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+# The jobs_total event of a job the API's lease reaper recovered, by the job's new status.
+REAPED_EVENTS = {"queued": "retried", "failed": "dead_lettered", "cancelled": "cancelled"}
+
+
 class ApiMetrics:
-    """Request counts and latency by route template, and jobs submitted by model and endpoint."""
+    """Request counts and latency by route template, jobs submitted by model and endpoint, the job transitions
+    this API performs (submissions, its reaper's recoveries), and the fleet's state read from Redis (``fleet``)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -35,6 +42,19 @@ class ApiMetrics:
         self.open_streams = Gauge(
             "tokenspool_api_open_streams", "SSE responses in progress", registry=self.registry,
         )
+        self.jobs = Counter(
+            "tokenspool_jobs", "job transitions performed by this API", ["model", "event"], registry=self.registry,
+        )
+        self.fleet = FleetCollector()
+        self.registry.register(self.fleet)
+
+    def job_submitted(self, model: str, endpoint: str) -> None:
+        self.jobs_submitted.labels(model, endpoint).inc()
+        self.jobs.labels(model, "submitted").inc()
+
+    def job_reaped(self, model: str, status: str) -> None:
+        """The API's reaper took a job back from a dead worker and left it ``status``."""
+        self.jobs.labels(model, REAPED_EVENTS[status]).inc()
 
     def observe_request(self, method: str, route: str, status: int, duration_s: float) -> None:
         self.requests.labels(method, route, str(status)).inc()

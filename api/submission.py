@@ -6,6 +6,7 @@ the same error) whichever door a request came in by.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -18,8 +19,11 @@ from api.errors import APIError, invalid_input, invalid_request
 from api.metrics import ApiMetrics
 from api.tokenization import ModelCatalog, ServedModel
 from shared.config import Settings
+from shared.lifecycle_log import job_fields
 from shared.queue import JobQueue, QueueFullError
 from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission
+
+log = logging.getLogger(__name__)
 
 
 def new_job_id() -> str:
@@ -139,5 +143,13 @@ async def submit(queue: JobQueue, submission: JobSubmission, metrics: ApiMetrics
     except QueueFullError as exc:
         raise queue_full(exc, metrics) from exc
     if created:
-        metrics.jobs_submitted.labels(submission.model, endpoint).inc()
+        record_submitted(metrics, submission, endpoint)
     return record, created
+
+
+def record_submitted(metrics: ApiMetrics, submission: JobSubmission, endpoint: str) -> None:
+    """Count and log a job this API enqueued (never its prompt: the worker logs that, if ``log_prompts``)."""
+    metrics.job_submitted(submission.model, endpoint)
+    log.info("job %s submitted", submission.id,
+             extra=job_fields("submitted", submission.id, submission.model, endpoint=endpoint,
+                              priority=submission.priority, n=submission.n, background=submission.background))

@@ -24,6 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.config import Settings
+from shared.lifecycle_log import LifecycleEvent, job_fields
 from shared.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -67,6 +68,29 @@ class ClaimedJob:
     submission: JobSubmission
     fence: int
     attempt: int
+
+
+@dataclass(frozen=True)
+class RecoveredJob:
+    """A running job taken back from its worker by the reaper, and its new ``status``: ``queued`` (requeued, a
+    restart for its readers), ``failed`` (out of attempts, dead-lettered) or ``cancelled`` (a cancel was pending)."""
+
+    job_id: str
+    model: str
+    worker_id: str | None
+    status: str
+
+
+# The lifecycle event (shared/lifecycle_log.py) of a job a reap or release left in each status.
+_REQUEUE_EVENTS: dict[str, LifecycleEvent] = {"queued": "requeued", "failed": "dead_lettered",
+                                              "cancelled": "cancelled"}
+# Queue scores are ``-priority * PRIORITY_STRIDE + seq`` with 0 < seq < PRIORITY_STRIDE (shared/keys.py).
+PRIORITY_STRIDE = 2**32
+
+
+def priority_of_score(score: float) -> int:
+    """The priority encoded in a queue score (``-priority * 2**32 + seq``, docs/protocol.md)."""
+    return -math.floor(score / PRIORITY_STRIDE)
 
 
 def _text(value: Any) -> str:
@@ -181,19 +205,53 @@ class JobQueue:
     async def queue_depth(self, model: str) -> int:
         return int(await self._redis.zcard(keys.queue(model)))
 
+    async def queue_depth_by_priority(self, model: str) -> dict[int, int]:
+        """Queued jobs of ``model`` per priority (only priorities with jobs).
+
+        A skip scan over the score ranges, one round trip per priority present (plus one), instead of reading
+        the whole queue: each priority owns the score range ``(-p * 2**32, (-p + 1) * 2**32)``.
+        """
+        key = keys.queue(model)
+        depths: dict[int, int] = {}
+        start: float | str = "-inf"
+        while True:
+            first = await self._redis.zrangebyscore(key, start, "+inf", start=0, num=1, withscores=True)
+            if not first:
+                return depths
+            priority = priority_of_score(float(first[0][1]))
+            low = -priority * PRIORITY_STRIDE
+            depths[priority] = int(await self._redis.zcount(key, f"({low}", f"({low + PRIORITY_STRIDE}"))
+            start = low + PRIORITY_STRIDE
+
+    async def model_names(self) -> list[str]:
+        """Names of the models any worker ever published a card for (cheap: the cards are not read)."""
+        return sorted(_text(x) for x in await self._redis.hkeys(keys.MODEL_CARDS))
+
     async def reap_expired(self) -> int:
         """Recover jobs whose lease expired: requeue, or fail and dead-letter after ``max_attempts``."""
-        total = 0
+        return len(await self.reap())
+
+    async def reap(self) -> list[RecoveredJob]:
+        """``reap_expired``, telling which jobs went where (for metrics); logs one line per job."""
+        recovered: list[RecoveredJob] = []
         while True:
-            n = int(await self._scripts.reap(keys=[keys.INFLIGHT, keys.DEAD_LETTER, keys.WORKERS],
-                                             args=[self._ctx, REAP_BATCH]))
-            total += n
-            if n < REAP_BATCH:
-                return total
+            reply = await self._scripts.reap(keys=[keys.INFLIGHT, keys.DEAD_LETTER, keys.WORKERS],
+                                             args=[self._ctx, REAP_BATCH])
+            for raw_id, model, worker_id, status in reply[1:]:
+                job = RecoveredJob(_text(raw_id), _text(model), _text(worker_id) or None, _text(status))
+                log.warning("job %s: lease of worker %s expired; job %s", job.job_id, job.worker_id, job.status,
+                            extra=job_fields(_REQUEUE_EVENTS[job.status], job.job_id, job.model, job.worker_id))
+                recovered.append(job)
+            if int(reply[0]) < REAP_BATCH:
+                return recovered
 
     async def dead_letters(self) -> list[str]:
         """Ids of jobs given up on after ``max_attempts``, oldest first."""
         return [_text(x) for x in await self._redis.zrange(keys.DEAD_LETTER, 0, -1)]
+
+    async def num_dead_letters(self) -> int:
+        """How many jobs the dead-letter set holds (entries are pruned after 7 days)."""
+        return int(await self._redis.zcard(keys.DEAD_LETTER))
 
     async def live_workers(self) -> list[WorkerInfo]:
         """Workers whose last heartbeat is within one lease TTL (by Redis time)."""
@@ -320,9 +378,15 @@ class JobQueue:
     async def release(self, job_id: str, fence: int, charge_attempt: bool) -> bool:
         """Give a running job back to its queue at its priority (a restart event tells its readers).
         ``charge_attempt=False`` (drain) does not count the attempt. False: stale fence."""
-        ok = await self._scripts.release(keys=[keys.job(job_id), keys.INFLIGHT, keys.DEAD_LETTER],
-                                         args=[self._ctx, job_id, fence, int(charge_attempt)])
-        return bool(int(ok))
+        return await self.release_job(job_id, fence, charge_attempt) is not None
+
+    async def release_job(self, job_id: str, fence: int, charge_attempt: bool) -> str | None:
+        """``release``, returning the job's new status (``queued``; ``failed`` when that was its last attempt and
+        it was dead-lettered; ``cancelled`` when a cancel was pending), or None for a stale fence."""
+        reply = await self._scripts.release(keys=[keys.job(job_id), keys.INFLIGHT, keys.DEAD_LETTER],
+                                            args=[self._ctx, job_id, fence, int(charge_attempt)])
+        status = _text(reply)
+        return None if status == "0" else status
 
     async def cancellations(self, worker_id: str) -> AsyncIterator[str]:
         """Job ids the worker must abort: live from its control channel, and every ``poll_interval_s`` again

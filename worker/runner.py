@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from shared.config import Settings
+from shared.lifecycle_log import LifecycleEvent, job_fields, text_fields
 from shared.queue import TRANSIENT_ERRORS, ClaimedJob, JobQueue
 from shared.schemas import (
     Choice,
@@ -34,6 +35,7 @@ from shared.schemas import (
     WorkerInfo,
 )
 from worker.engine import Engine, Logprob, SamplingParams, StepOutput
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ CLAIMS_PER_STEP = 16  # jobs claimed between two engine steps at most, so a deep
 IDLE_POLL_S = 0.05  # how often an idle worker asks for work
 REDIS_RETRY_S = 300.0  # a Redis outage longer than this ends the worker (exit 1) for its supervisor to restart
 TASK_STOP_S = 2.0  # how long shutdown waits for the heartbeat and cancellation tasks to unwind
+# The lifecycle event of a job this worker released, by the status the release left it in.
+RELEASE_EVENTS: dict[str, LifecycleEvent] = {"queued": "released", "failed": "dead_lettered", "cancelled": "cancelled"}
 
 
 class Tokenizer(Protocol):
@@ -99,6 +103,8 @@ class ChoiceState:
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    first_token_at: float | None = None  # time.monotonic() of the step that produced the first/latest token
+    last_token_at: float | None = None
 
 
 @dataclass
@@ -108,6 +114,7 @@ class ActiveJob:
     claim: ClaimedJob
     choices: list[ChoiceState]
     next_seq: int = 1
+    first_token_published: bool = False
 
     @classmethod
     def start(cls, claim: ClaimedJob) -> ActiveJob:
@@ -130,6 +137,9 @@ class ActiveJob:
         choice = self.choices[index]
         choice.texts.append(out.text_delta)
         choice.token_ids += out.new_token_ids
+        if out.new_token_ids:
+            choice.last_token_at = time.monotonic()
+            choice.first_token_at = choice.first_token_at or choice.last_token_at
         if choice.logprobs is not None and logprobs:
             choice.logprobs += logprobs
         choice.num_prompt_tokens = out.num_prompt_tokens
@@ -185,13 +195,14 @@ class Runner:
     """Serves one model from one engine until ``request_stop``; ``run`` returns the process exit code."""
 
     def __init__(self, engine: Engine, queue: JobQueue, settings: Settings, worker_id: str,
-                 redis_retry_s: float = REDIS_RETRY_S) -> None:
+                 redis_retry_s: float = REDIS_RETRY_S, metrics: WorkerMetrics | None = None) -> None:
         self._engine = engine
         self._queue = queue
         self._settings = settings
         self._worker_id = worker_id
         self._model = settings.served_model_name
         self._card = model_card(self._model, engine)
+        self._metrics = metrics or WorkerMetrics(self._model)
         self._started_at = time.time()
         self._redis_retry_s = redis_retry_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -253,17 +264,24 @@ class Runner:
 
     async def _start(self, job: ClaimedJob) -> None:
         """Add the job's requests to the engine; a job the engine refuses fails with the reason."""
+        sub = job.submission
         try:
-            await self._on_engine(self._add_requests, job.submission)
+            num_prompt_tokens = await self._on_engine(self._add_requests, sub)
         except Exception as exc:  # bad params, prompt too long, template error: this job's fault, not ours
-            log.warning("job %s rejected: %s", job.submission.id, exc, extra={"job_id": job.submission.id})
-            await self._redis(self._queue.fail, job.submission.id, job.fence, f"invalid job: {exc}")
+            log.warning("job %s rejected: %s", sub.id, exc, extra=self._fields("failed", sub.id, attempt=job.attempt))
+            if await self._redis(self._queue.fail, sub.id, job.fence, f"invalid job: {exc}"):
+                self._metrics.on_job_event("failed")
             return
-        self._active[job.submission.id] = ActiveJob.start(job)
-        log.info("job %s started (attempt %d)", job.submission.id, job.attempt, extra={"job_id": job.submission.id})
+        self._active[sub.id] = ActiveJob.start(job)
+        self._metrics.on_claimed(sub.created_at, time.time(), num_prompt_tokens)
+        log.info("job %s claimed (attempt %d)", sub.id, job.attempt,
+                 extra=self._fields("claimed", sub.id, attempt=job.attempt, priority=sub.priority, n=sub.n,
+                                    num_prompt_tokens=num_prompt_tokens,
+                                    **text_fields(self._settings.log_prompts, prompt=sub.prompt,
+                                                  messages=[m.model_dump() for m in sub.messages or []] or None)))
 
-    def _add_requests(self, job: JobSubmission) -> None:
-        """Engine thread: the job's n requests, all or none."""
+    def _add_requests(self, job: JobSubmission) -> int:
+        """Engine thread: the job's n requests, all or none; returns the prompt's length in tokens."""
         if job.model != self._model:
             raise ValueError(f"model: this worker serves {self._model!r}, not {job.model!r}")
         prompt = prompt_token_ids(job, self._engine.tokenizer)
@@ -277,6 +295,7 @@ class Runner:
             for rid in added:
                 self._engine.abort(rid)
             raise
+        return len(prompt)
 
     # --- stepping -------------------------------------------------------------------------------------------
 
@@ -288,7 +307,7 @@ class Runner:
         except Exception:
             log.exception("engine step failed; releasing %d jobs", len(self._active))
             for job in list(self._active.values()):
-                await self._redis(self._queue.release, job.job_id, job.claim.fence, True)
+                await self._release(job, charge_attempt=True)
             self._active.clear()
             return False
         events: dict[str, list[TokenEvent]] = {}
@@ -304,22 +323,53 @@ class Runner:
             batches = [(jid, self._active[jid].claim.fence, evs) for jid, evs in events.items()]
             accepted = await self._redis(self._queue.publish_many, batches)
             self._lost.update(jid for (jid, _, _), ok in zip(batches, accepted, strict=True) if not ok)
+            self._first_tokens([jid for (jid, _, _), ok in zip(batches, accepted, strict=True) if ok])
         for job in [j for j in self._active.values() if j.done and j.job_id not in self._lost]:
             await self._finish(job)
         return True
 
     def _step_engine(self) -> list[tuple[StepOutput, list[TokenLogprob] | None]]:
         """Engine thread: a step, with logprob token texts decoded here (the tokenizer lives on this thread)."""
+        started = time.perf_counter()
+        outputs = self._engine.step()
+        duration_s = time.perf_counter() - started
+        stats = self._engine.stats()
+        # Sequences computed in the step: those still running after it plus those it finished.
+        batch_size = stats.num_running + sum(out.finished for out in outputs)
+        self._metrics.on_step(duration_s, batch_size, sum(len(out.new_token_ids) for out in outputs), stats)
         return [(out, to_token_logprobs(out.logprobs, self._engine.tokenizer) if out.logprobs else None)
-                for out in self._engine.step()]
+                for out in outputs]
+
+    def _first_tokens(self, job_ids: list[str]) -> None:
+        """Jobs whose events were just published: the first time a job's token went out is its TTFT."""
+        now = time.time()
+        for job_id in job_ids:
+            job = self._active[job_id]
+            if not job.first_token_published and any(c.token_ids for c in job.choices):
+                job.first_token_published = True
+                self._metrics.on_first_token(job.claim.submission.created_at, now)
+                log.info("job %s first token", job_id, extra=self._fields("first_token", job_id))
 
     async def _finish(self, job: ActiveJob) -> None:
         del self._active[job.job_id]
-        ok = await self._redis(self._queue.complete, job.job_id, job.claim.fence, job.result())
-        if ok:
-            log.info("job %s finished", job.job_id, extra={"job_id": job.job_id})
-        else:
-            log.warning("job %s result rejected: lease lost (stale fence)", job.job_id, extra={"job_id": job.job_id})
+        result = job.result()
+        ok = await self._redis(self._queue.complete, job.job_id, job.claim.fence, result)
+        if not ok:
+            log.warning("job %s result rejected: lease lost (stale fence)", job.job_id,
+                        extra=self._fields("lease_lost", job.job_id))
+            return
+        cancelled = any(c.finish_reason == "abort" for c in result.choices)
+        self._metrics.on_job_finished("cancelled" if cancelled else "completed", job.claim.submission.created_at,
+                                      time.time())
+        for choice in job.choices:
+            self._metrics.on_sequence_finished(len(choice.token_ids), choice.first_token_at, choice.last_token_at)
+        log.info("job %s %s", job.job_id, "cancelled" if cancelled else "finished",
+                 extra=self._fields("cancelled" if cancelled else "finished", job.job_id,
+                                    finish_reasons=[c.finish_reason for c in result.choices],
+                                    prompt_tokens=result.usage.prompt_tokens,
+                                    completion_tokens=result.usage.completion_tokens,
+                                    **text_fields(self._settings.log_prompts,
+                                                  output=[c.text for c in result.choices])))
 
     # --- control: lost leases, cancellations, heartbeat -------------------------------------------------------
 
@@ -329,13 +379,12 @@ class Runner:
         for job_id in lost:
             job = self._active.pop(job_id)
             await self._on_engine(self._abort_all, job.unfinished_request_ids())
-            log.warning("job %s dropped: lease lost", job_id, extra={"job_id": job_id})
+            log.warning("job %s dropped: lease lost", job_id, extra=self._fields("lease_lost", job_id))
         cancelled, self._cancelled = self._cancelled & self._active.keys(), set()
         for job_id in cancelled:
             job = self._active[job_id]
             await self._on_engine(self._abort_all, job.unfinished_request_ids())
             job.abort()
-            log.info("job %s cancelled", job_id, extra={"job_id": job_id})
             await self._finish(job)
 
     def _abort_all(self, request_ids: list[str]) -> None:
@@ -350,7 +399,8 @@ class Runner:
                 fences = {job_id: job.claim.fence for job_id, job in self._active.items()}
                 self._lost.update(await self._redis(self._queue.renew, self._worker_id, fences))
                 await self._redis(self._queue.register_worker, await self._info(), self._card)
-                await self._redis(self._queue.reap_expired)
+                for recovered in await self._redis(self._queue.reap):
+                    self._metrics.on_requeue_status(recovered.status)
             except Exception:
                 log.exception("heartbeat of worker %s failed", self._worker_id)
 
@@ -360,6 +410,7 @@ class Runner:
 
     async def _info(self) -> WorkerInfo:
         stats = await self._on_engine(self._engine.stats)
+        self._metrics.on_engine_stats(stats)
         return WorkerInfo(id=self._worker_id, model=self._model, max_num_seqs=self._settings.max_num_seqs,
                           num_running=stats.num_running, num_waiting=stats.num_waiting,
                           kv_cache_usage=stats.kv_cache_usage, heartbeat_at=time.time(), started_at=self._started_at)
@@ -380,14 +431,28 @@ class Runner:
         try:
             for job in list(self._active.values()):
                 await self._on_engine(self._abort_all, job.unfinished_request_ids())
-                await self._redis(self._queue.release, job.job_id, job.claim.fence, False, give_up_s=patience)
-                log.info("job %s released back to the queue", job.job_id, extra={"job_id": job.job_id})
+                await self._release(job, charge_attempt=False, give_up_s=patience)
             await self._redis(self._queue.deregister_worker, self._worker_id, give_up_s=patience)
         except TRANSIENT_ERRORS as exc:
             log.error("could not release jobs or deregister (%s); their leases will expire", exc)
         finally:
             self._active.clear()
             self._executor.shutdown(wait=True)
+
+    async def _release(self, job: ActiveJob, charge_attempt: bool, give_up_s: float | None = None) -> None:
+        """Hand the job back to the queue (drain, engine failure), counted and logged by where it went."""
+        status = await self._redis(self._queue.release_job, job.job_id, job.claim.fence, charge_attempt,
+                                   give_up_s=give_up_s)
+        if status is None:
+            log.warning("job %s not released: lease lost", job.job_id, extra=self._fields("lease_lost", job.job_id))
+            return
+        self._metrics.on_requeue_status(status)
+        log.info("job %s released by its worker: %s", job.job_id, status,
+                 extra=self._fields(RELEASE_EVENTS[status], job.job_id, charge_attempt=charge_attempt))
+
+    def _fields(self, event: LifecycleEvent, job_id: str, **fields: object) -> dict[str, object]:
+        """``extra=`` of a lifecycle log line about one of this worker's jobs."""
+        return job_fields(event, job_id, self._model, self._worker_id, **fields)
 
     # --- plumbing -------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from api.submission import (
     count_prompt_tokens,
     new_job_id,
     queue_full,
+    record_submitted,
     resolve_model,
     submit,
 )
@@ -157,7 +158,7 @@ async def create_jobs(body: JobBatchCreate, settings: SettingsDep, queue: QueueD
             record, created = await queue.submit(submission)
             records.append(record)
             if created:
-                metrics.jobs_submitted.labels(submission.model, "batch").inc()
+                record_submitted(metrics, submission, "batch")
     except QueueFullError as exc:
         for record in records:
             await queue.cancel(record.id)

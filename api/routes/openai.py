@@ -39,6 +39,7 @@ from api.submission import (
     default_max_tokens,
     new_job_id,
     queue_full,
+    record_submitted,
     resolve_model,
 )
 from shared.queue import JobQueue, QueueFullError
@@ -121,7 +122,7 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
         await relay.start()
     except QueueFullError as exc:
         raise queue_full(exc, metrics) from exc
-    metrics.jobs_submitted.labels(submission.model, endpoint).inc()
+    record_submitted(metrics, submission, endpoint)
 
     async def cancel_if_abandoned() -> None:
         if not submission.background and not relay.finished:

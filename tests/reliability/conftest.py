@@ -1,0 +1,38 @@
+"""Reliability fixtures: a ``tokenspool api`` process per module and worker processes per test, all on the
+session's real Redis (flushed before each test by ``redis_url``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.redis_server import RedisServer
+from tests.queue.worker_process import WorkerProcess
+from tests.reliability.stack import ApiProcess
+
+
+@pytest.fixture(scope="module")
+def api_process(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
+    """One API process for the module's tests; a test may kill and restart it (same port)."""
+    if not redis_server.running:
+        redis_server.start()
+    api = ApiProcess(redis_server.url, tmp_path_factory.mktemp("api-logs")).start()
+    yield api
+    api.stop()
+
+
+@pytest.fixture()
+def new_worker(redis_url: str, tiny_llama: Path, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Make (not start) tiny-Llama workers on the test Redis; every one is killed after the test."""
+    made: list[WorkerProcess] = []
+
+    def make(worker_id: str, **settings: object) -> WorkerProcess:
+        worker = WorkerProcess(redis_url, tiny_llama, tmp_path, worker_id, **settings)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker.stop()

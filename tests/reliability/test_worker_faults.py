@@ -1,0 +1,184 @@
+"""Worker faults under load, through the real API: kill -9 while 20 jobs stream, SIGTERM drain, and two workers
+racing for one queue with a frozen (zombie) worker among them. Real processes, real Redis, the tiny Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from shared import keys
+from tests.queue.worker_process import WorkerProcess
+from tests.reliability.stack import ApiProcess, assert_clean_stream, follow, poll, start_workers, submit, worker_log
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The sea was", "Once upon a time", "In the beginning", "Dear diary,"]
+GREEDY_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_llama: Path) -> dict[str, list[int]]:
+    """transformers' greedy ``generate`` of each prompt (EOS masked for the full length, as min_tokens does)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.engine.helpers import reference_greedy
+    from worker.engine import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, min_tokens=GREEDY_TOKENS)
+    with torch.no_grad():
+        return {p: reference_greedy(model, tokenizer.encode(p), params) for p in PROMPTS}
+
+
+async def _running_on(redis: Redis, job_ids: list[str], worker_id: str, min_events: int) -> list[str]:
+    """The jobs running on ``worker_id`` that have published at least ``min_events`` events."""
+    held = []
+    for job_id in job_ids:
+        status, wid, seq = await redis.hmget(keys.job(job_id), "status", "worker_id", "seq")
+        if status == b"running" and wid == worker_id.encode() and int(seq or 0) >= min_events:
+            held.append(job_id)
+    return held
+
+
+async def _wait_running_on(redis: Redis, job_ids: list[str], worker: WorkerProcess, count: int,
+                           min_events: int = 3, timeout_s: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while len(held := await _running_on(redis, job_ids, worker.worker_id, min_events)) < count:
+        assert time.monotonic() < deadline, worker.log_tail()
+        await asyncio.sleep(0.02)
+    return held
+
+
+async def test_kill_9_while_20_jobs_stream_every_job_finishes_with_the_greedy_text(
+        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], redis_url: str,
+        greedy: dict[str, list[int]]) -> None:
+    t0 = time.monotonic()
+    victim, survivor = start_workers([new_worker("kill-w1"), new_worker("kill-w2")])
+    print("started", time.monotonic() - t0)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(20)]
+    body = {"max_tokens": GREEDY_TOKENS, "min_tokens": GREEDY_TOKENS, "temperature": 0}
+    async with httpx.AsyncClient(base_url=api_process.base_url, timeout=60) as client, \
+            Redis.from_url(redis_url) as redis:
+        job_ids = [await submit(client, p, **body) for p in prompts]
+        streams = [asyncio.create_task(follow(client, job_id)) for job_id in job_ids]
+        await _wait_running_on(redis, job_ids, victim, count=4)
+        victim.signal(signal.SIGKILL)
+        victim.wait(10)
+        held = await _running_on(redis, job_ids, victim.worker_id, min_events=1)  # its lease has not run out yet
+        print("killed", time.monotonic() - t0)
+        assert len(held) >= 4
+        results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        print("done", time.monotonic() - t0)
+
+    for prompt, stream in zip(prompts, results, strict=True):
+        assert_clean_stream(stream)
+        assert stream.ids[0] == 1
+        assert stream.final["choices"][0]["token_ids"] == greedy[prompt], stream.job_id
+    by_id = {s.job_id: s for s in results}
+    for job_id in held:  # the killed worker's jobs: restarted once, finished by the survivor
+        stream = by_id[job_id]
+        assert stream.kinds.count("restart") == 1 and stream.kinds.index("restart") > 2, stream.kinds[:6]
+        assert (stream.final["worker_id"], stream.final["attempts"]) == (survivor.worker_id, 2)
+    assert survivor.proc is not None and survivor.proc.poll() is None
+
+
+async def test_sigterm_under_load_drains_and_hands_back_the_rest_uncharged(
+        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], redis_url: str) -> None:
+    drain_timeout_s = 1.5
+    draining, standby = start_workers([new_worker("drain-w1", drain_timeout_s=drain_timeout_s),
+                                       new_worker("drain-w2")])
+    standby.signal(signal.SIGSTOP)  # frozen, so the draining worker gets all the jobs and nobody steals them
+    short = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    long = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+    async with httpx.AsyncClient(base_url=api_process.base_url, timeout=60) as client, \
+            Redis.from_url(redis_url) as redis:
+        long_ids = [await submit(client, f"Long story {i}", **long) for i in range(4)]
+        await _wait_running_on(redis, long_ids, draining, count=4)
+        short_ids = [await submit(client, f"Short story {i}", **short) for i in range(4)]
+        await _wait_running_on(redis, short_ids, draining, count=4, min_events=1)
+        queued_id = await submit(client, "Never claimed by a draining worker", **short)
+
+        signalled = time.monotonic()
+        draining.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(draining.wait, drain_timeout_s + 10) == 0, draining.log_tail()
+        exit_s = time.monotonic() - signalled
+        # Handed back uncharged: queued again with no attempt counted, a restart event in the log.
+        for job_id in long_ids:
+            status, attempts = await redis.hmget(keys.job(job_id), "status", "attempts")
+            assert (status, attempts) == (b"queued", b"0"), job_id
+        standby.signal(signal.SIGCONT)
+        finals = {job_id: (await poll(client, job_id))[0] for job_id in [*long_ids, *short_ids, queued_id]}
+        streams = [await follow(client, job_id) for job_id in long_ids]
+
+    assert exit_s < drain_timeout_s + 5, exit_s
+    for job_id in short_ids:  # finished within the drain timeout, on the draining worker
+        assert (finals[job_id]["status"], finals[job_id]["worker_id"]) == ("succeeded", draining.worker_id)
+    for job_id, stream in zip(long_ids, streams, strict=True):
+        job = finals[job_id]
+        assert (job["status"], job["worker_id"], job["attempts"]) == ("succeeded", standby.worker_id, 1), job
+        assert job["usage"]["completion_tokens"] == 900
+        assert stream.kinds[0] == "restart" and stream.events[0][2]["attempt"] == 1  # a late reader: log trimmed
+        assert_clean_stream(stream)
+    assert finals[queued_id]["worker_id"] == standby.worker_id
+    released = [e for e in worker_log(draining) if e["msg"].endswith("released back to the queue")]
+    assert sorted(e["job_id"] for e in released) == sorted(long_ids)
+
+
+async def test_competing_workers_and_a_zombie_never_complete_a_job_twice(
+        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], redis_url: str) -> None:
+    """40 jobs, two workers; one is frozen (SIGSTOP) past its lease while holding jobs, so they are reaped and
+    rerun by the other, then thawed: its late writes carry a stale fence and must all be rejected."""
+    zombie, rival = start_workers([new_worker("race-w1"), new_worker("race-w2")])
+    body = {"max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    async with httpx.AsyncClient(base_url=api_process.base_url, timeout=60) as client, \
+            Redis.from_url(redis_url) as redis:
+        job_ids = [await submit(client, f"Race {i}", **body) for i in range(40)]
+        await _wait_running_on(redis, job_ids, zombie, count=2, min_events=2)
+        zombie.signal(signal.SIGSTOP)
+        await asyncio.sleep(0.1)  # a script the zombie sent just before the signal still lands
+        frozen = await _running_on(redis, job_ids, zombie.worker_id, min_events=1)
+        assert frozen
+        await asyncio.sleep(2 + 1.5)  # the 2 s lease runs out; the rival's reaper requeues the frozen jobs
+        zombie.signal(signal.SIGCONT)
+        finals = {job_id: (await poll(client, job_id))[0] for job_id in job_ids}
+        logs = {job_id: [e async for e in _log_events(redis, job_id)] for job_id in job_ids}
+
+    accepted: Counter[str] = Counter()
+    completed_by: dict[str, str] = {}
+    rejected = []
+    for worker in (zombie, rival):
+        for entry in worker_log(worker):
+            if entry["msg"] == f"job {entry.get('job_id')} finished":
+                accepted[entry["job_id"]] += 1
+                completed_by[entry["job_id"]] = worker.worker_id
+            elif "lease lost" in entry["msg"]:
+                rejected.append(entry["job_id"])
+    assert accepted == Counter({job_id: 1 for job_id in job_ids}), "a job completed more or less than once"
+    for job_id in job_ids:
+        job = finals[job_id]
+        assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 48
+        assert job["worker_id"] == completed_by[job_id]
+        events = logs[job_id]
+        assert [e["type"] for e in events].count("done") == 1
+        assert "".join(e["text"] for e in events if e["type"] == "token") == job["text"]  # log trimmed at restart
+    for job_id in frozen:
+        assert (finals[job_id]["worker_id"], finals[job_id]["attempts"]) == (rival.worker_id, 2)
+    assert set(frozen) <= set(rejected), "the thawed zombie should have found its leases lost"
+    assert {zombie.worker_id, rival.worker_id} == set(completed_by.values()), "both workers should have served"
+
+
+async def _log_events(redis: Redis, job_id: str) -> AsyncIterator[dict[str, Any]]:
+    for _, fields in await redis.xrange(keys.job_log(job_id)):
+        yield json.loads(fields[b"data"])
