@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from worker.engine.outputs import EngineStats
 
@@ -90,9 +90,6 @@ class WorkerMetrics:
         """Serve ``/metrics`` on ``port`` (0: a free one; read ``server.server_port``) in a daemon thread."""
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
         return server
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
 
     # --- job hooks (event loop) -------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
-"""One real worker process (tiny Llama) with its metrics endpoint on a free port, shared by the observability
-tests."""
+"""A real worker process (tiny Llama) with its metrics endpoint on a free port, one per test module: it must not
+outlive its module (it reaps leases and counts as a live worker, which other modules' tests would notice)."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,16 +12,18 @@ from redis.asyncio import Redis
 
 from shared.queue import JobQueue
 from shared.redis_server import RedisServer
-from tests.observability.helpers import WORKER_ID, ObservedWorker
+from tests.observability.helpers import ObservedWorker
 from tests.queue.queue_helpers import queue_settings
 from tests.queue.worker_process import WorkerProcess
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def observed_worker(redis_server: RedisServer, tiny_llama: Path,
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedWorker]:
-    worker = WorkerProcess(redis_server.url, tiny_llama, tmp_path_factory.mktemp("obs-logs"), WORKER_ID,
-                           metrics_port=0)
+    # A fresh id per module: WorkerProcess.start waits for the id's registration, which a killed predecessor
+    # of the same id would leave behind.
+    worker = WorkerProcess(redis_server.url, tiny_llama, tmp_path_factory.mktemp("obs-logs"),
+                           f"obs-{secrets.token_hex(3)}", metrics_port=0)
     worker.start()
     try:
         port = next(line["metrics_port"] for line in ObservedWorker(worker, "").log_lines() if "metrics_port" in line)

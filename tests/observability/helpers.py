@@ -11,7 +11,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.queue.worker_process import WorkerProcess
 
-WORKER_ID = "obs-w1"
 MODEL = "tiny"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -21,6 +20,10 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 class ObservedWorker:
     process: WorkerProcess
     metrics_url: str
+
+    @property
+    def worker_id(self) -> str:
+        return self.process.worker_id
 
     def scrape(self) -> Samples:
         return scrape(self.metrics_url)

@@ -1,5 +1,6 @@
-"""The worker's Prometheus endpoint and heartbeat gauges, after real jobs through a real worker process; and the
-names it exports against the metrics contract in docs/operations.md."""
+"""What a real worker process (tiny model) tells operators after real jobs: its Prometheus endpoint (checked
+against the metrics contract in docs/operations.md), its heartbeat gauges, and its JSON lifecycle log lines.
+One module so the tests share one worker start."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from shared.queue import JobQueue
 from shared.schemas import GenerationParams, JobStatus
 from tests.deploy.test_k8s_manifests import contract_metrics
-from tests.observability.helpers import MODEL, WORKER_ID, ObservedWorker, delta, exported_types, value
+from tests.observability.helpers import MODEL, ObservedWorker, delta, exported_types, value
 from tests.queue.queue_helpers import make_job
 from tests.queue.worker_process import wait_final, wait_tokens
 from worker.engine.outputs import EngineStats
@@ -20,6 +21,7 @@ from worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.slow
 # Long enough to fill a few KV blocks, so the second job finds whole blocks in the prefix cache.
+SECRET_PROMPT = "Quokka marmalade recipe from Zanzibar"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from the old wooden fence. " * 4
 
 
@@ -72,7 +74,7 @@ async def test_a_running_job_shows_in_heartbeat_and_gauges_and_its_cancel_is_cou
     await wait_tokens(queue, job.id, 3)
     deadline = time.monotonic() + 10
     while True:
-        infos = [w for w in await queue.live_workers() if w.id == WORKER_ID]
+        infos = [w for w in await queue.live_workers() if w.id == observed_worker.worker_id]
         if infos and infos[0].num_running == 1:
             break
         assert time.monotonic() < deadline, f"heartbeat never showed the running job: {infos}"
@@ -117,3 +119,31 @@ def test_engine_counters_count_each_increase_once_even_from_a_stale_snapshot() -
     assert samples[("tokenspool_prefix_cache_hits_total", "m")] == 48
     assert samples[("tokenspool_spec_decode_draft_tokens_total", "m")] == 16
     assert samples[("tokenspool_kv_cache_usage_ratio", "m")] == 0.5
+
+
+
+async def test_each_transition_is_one_json_line_with_the_job_fields_and_no_text(observed_worker: ObservedWorker,
+                                                                              queue: JobQueue) -> None:
+    job = make_job(prompt=SECRET_PROMPT, created_at=time.time(),
+                   params=GenerationParams(max_tokens=12, temperature=0, ignore_eos=True))
+    await queue.submit(job)
+    record = await wait_final(queue, job.id)
+    assert record.status == JobStatus.SUCCEEDED
+    deadline = time.monotonic() + 5
+    while not any(line.get("event") == "finished" and line.get("job_id") == job.id
+                  for line in observed_worker.log_lines()):
+        assert time.monotonic() < deadline, "no finished line"
+        time.sleep(0.05)
+
+    lines = observed_worker.log_lines()  # every line parses as JSON (no progress bars, no raw prints)
+    mine = [line for line in lines if line.get("job_id") == job.id]
+    assert [line["event"] for line in mine] == ["claimed", "first_token", "finished"]
+    for line in mine:
+        assert (line["model"], line["worker_id"], line["level"]) == (MODEL, observed_worker.worker_id, "INFO")
+        assert line["logger"] == "worker.runner" and job.id in line["msg"]
+    claimed, _, finished = mine
+    assert claimed["attempt"] == 1 and claimed["num_prompt_tokens"] == record.usage.prompt_tokens
+    assert finished["completion_tokens"] == 12 and finished["finish_reasons"] == ["length"]
+    log_text = observed_worker.process.log_path.read_text()
+    assert SECRET_PROMPT not in log_text and "Zanzibar" not in log_text
+    assert "prompt" not in claimed and "output" not in finished
