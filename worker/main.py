@@ -34,6 +34,11 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_cache_bytes=settings.kv_cache_bytes, device=None if settings.device == "auto" else settings.device,
         dtype=None if settings.dtype == "auto" else settings.dtype,
         enable_prefix_caching=settings.enable_prefix_caching,
+        speculative_method=settings.speculative, draft_model=settings.draft_model,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        # One torch thread per core this process may run on (torch's own default counts the machine's cores,
+        # which oversubscribes a pinned or shared worker; docs/performance.md).
+        num_threads=len(os.sched_getaffinity(0)),
     )
 
 

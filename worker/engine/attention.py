@@ -79,12 +79,15 @@ def _attend_single_tokens(layer: int, query: torch.Tensor, ctx: PagedContext, sc
     """``query``: [T, H, D]; returns [Bs, H, D] for the single-token queries."""
     meta = ctx.metadata
     assert meta.single_token_idx is not None and meta.single_block_tables is not None
-    q = query[meta.single_token_idx].unsqueeze(2)  # [Bs, H, 1, D]
     keys, values = ctx.kv_cache.gather(layer, meta.single_block_tables)  # [Bs, L, kvh, D]
+    num_seqs, num_heads, head_dim = len(meta.single_token_idx), query.shape[1], query.shape[2]
+    num_kv_heads = keys.shape[2]
+    # GQA without expanding K/V: the query heads sharing a kv head become that head's queries ("tokens"), all at
+    # the same position, so one key mask serves them; heads are grouped consecutively as repeat_kv assumes.
+    q = query[meta.single_token_idx].view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-                                         attn_mask=meta.single_key_mask, scale=scaling,
-                                         enable_gqa=q.shape[1] != keys.shape[2])
-    return out.squeeze(2)  # [Bs, H, D]
+                                         attn_mask=meta.single_key_mask, scale=scaling)  # [Bs, kvh, group, D]
+    return out.reshape(num_seqs, num_heads, head_dim)  # [Bs, H, D]
 
 
 def _attend_prefill(layer: int, query: torch.Tensor, chunk: PrefillChunk, ctx: PagedContext,

@@ -16,6 +16,8 @@ GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a modest fixed budget
 CUDA_FREE_FRACTION = 0.9  # of the memory still free after the weights are loaded
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPECULATIVE_METHODS = (None, "ngram", "draft")
+QUANTIZATIONS = (None, "int8")
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -32,6 +34,16 @@ class EngineConfig:
     CUDA), capped by what ``max_num_seqs`` full-length sequences could ever use.
     ``max_num_batched_tokens``: the token budget of one forward pass; longer prompts are prefilled in chunks.
     ``device``/``dtype``: None picks cuda if available, else cpu; bfloat16 on CUDA, float32 on CPU.
+    ``enable_prefix_caching``: reuse the K/V of full blocks whose token prefix was computed before (on by default).
+    ``num_threads``: torch intra-op threads, set (process-wide) when the engine is built; None leaves torch's
+    setting alone (its default is the physical cores). Use at most the cores this process really has to itself:
+    oversubscribed cores make torch's threads spin at barriers (docs/performance.md).
+    ``quantization``: None (the model's dtype) or ``"int8"``: the Linear layers' weights in int8, per output channel,
+    activations quantised dynamically (CPU only; a speed/quality trade measured in docs/performance.md).
+    ``speculative_method``: None, ``"ngram"`` (prompt lookup) or ``"draft"`` (``draft_model``, a model sharing the
+    target's tokenizer); each decoding request proposes up to ``num_speculative_tokens`` tokens per step, but only
+    while at most ``speculative_max_batch`` requests run (above that verification costs more than it saves; see
+    docs/performance.md). ``ngram_min``/``ngram_max``: the suffix lengths prompt lookup tries, longest first.
     """
 
     model: str = "smollm2"
@@ -43,7 +55,15 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     device: str | None = None
     dtype: str | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    speculative_method: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 8
+    ngram_min: int = 1
+    ngram_max: int = 4
+    num_threads: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", "a model name or path", self.model)
@@ -59,6 +79,17 @@ class EngineConfig:
         _check(self.device is None or self.device.split(":")[0] in ("cpu", "cuda"), "device",
                "None, 'cpu' or 'cuda[:N]'", self.device)
         _check(self.dtype is None or self.dtype in DTYPES, "dtype", f"None or one of {sorted(DTYPES)}", self.dtype)
+        _check(self.speculative_method in SPECULATIVE_METHODS, "speculative_method", "None, 'ngram' or 'draft'",
+               self.speculative_method)
+        _check(self.speculative_method != "draft" or bool(self.draft_model), "draft_model",
+               "a model name or path when speculative_method is 'draft'", self.draft_model)
+        _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]",
+               self.num_speculative_tokens)
+        _check(self.speculative_max_batch >= 1, "speculative_max_batch", ">= 1", self.speculative_max_batch)
+        _check(1 <= self.ngram_min <= self.ngram_max, "ngram_min", f"in [1, ngram_max={self.ngram_max}]",
+               self.ngram_min)
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1", self.num_threads)
+        _check(self.quantization in QUANTIZATIONS, "quantization", "None or 'int8'", self.quantization)
 
 
 @dataclass(frozen=True)

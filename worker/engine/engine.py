@@ -7,6 +7,7 @@ Calls are not thread-safe; the worker makes them all from one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from worker.engine.request import Request, validate_request
 from worker.engine.sampler import Sampler, make_generator, prepare_sampling_batch
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.spec_decode import SpeculativeDecoder, make_speculative_decoder
 from worker.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_pool, self.plan.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.sampler = Sampler()
+        self.spec: SpeculativeDecoder | None = make_speculative_decoder(
+            config, self.runner, self.sampler, self._tokenizer, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
@@ -75,24 +79,63 @@ class Engine:
                          self.max_model_len)
         if request_id in self._requests:
             raise ValueError(f"request_id must be unique among unfinished requests, got duplicate {request_id!r}")
-        prompt = list(prompt_token_ids)
-        request = Request(
-            request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
-            arrival=next(self._arrivals), max_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
-            generator=make_generator(params.seed, self.runner.device),
-            detokenizer=IncrementalDetokenizer(cast(Tokenizer, self._tokenizer), prompt, params.stop),
-        )
+        request = self._make_request(request_id, list(prompt_token_ids), params, priority, next(self._arrivals))
         self._requests[request_id] = request
         self.scheduler.add(request)
 
+    def _make_request(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                      arrival: int) -> Request:
+        return Request(
+            request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
+            arrival=arrival, max_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
+            generator=make_generator(params.seed, self.runner.device),
+            detokenizer=IncrementalDetokenizer(cast(Tokenizer, self._tokenizer), prompt, params.stop),
+        )
+
+    def add_request_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0) -> None:
+        """Queue ``len(request_ids)`` requests for one prompt (a job's ``n`` choices), all or none.
+
+        The prompt is prefilled once: the others start from the first one's KV blocks (shared, copy-on-write for
+        the last partial block) as soon as its prompt is computed. With a ``seed``, request ``i`` draws with seed
+        ``seed + i``, so the choices differ yet each is reproducible. Raises ValueError as ``add_request`` does.
+        """
+        ids = list(request_ids)
+        if not 1 <= len(ids) <= self.config.max_num_seqs:
+            raise ValueError(f"request_ids must hold 1 to max_num_seqs ({self.config.max_num_seqs}) ids, "
+                             f"got {len(ids)}")
+        if len(set(ids)) != len(ids) or any(rid in self._requests for rid in ids):
+            raise ValueError(f"request_ids must be unique among unfinished requests, got {ids!r:.200}")
+        validate_request(ids[0], prompt_token_ids, params, priority, self.runner.shape.vocab_size,
+                         self.max_model_len)
+        if not all(isinstance(rid, str) and rid for rid in ids):
+            raise ValueError(f"request_ids must be non-empty strings, got {ids!r:.200}")
+        prompt = list(prompt_token_ids)
+        requests = [self._make_request(rid, prompt, params if params.seed is None else
+                                       dataclasses.replace(params, seed=params.seed + i), priority,
+                                       next(self._arrivals))
+                    for i, rid in enumerate(ids)]
+        for request in requests:
+            self._requests[request.request_id] = request
+        if len(requests) == 1:
+            self.scheduler.add(requests[0])
+        else:
+            self.scheduler.add_group(requests[0], requests[1:])
+
     def step(self) -> list[StepOutput]:
         """Advance every scheduled request by one forward pass; returns what happened (empty when idle)."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # sets spec_token_ids of requests about to decode
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
-        logits = self.runner.execute(output)  # [num_sampled, V]
+        logits = self.runner.execute(output)  # [num_sampled (+ speculative positions), V]
         self.scheduler.cache_computed_blocks(output, self._requests)
-        return self._postprocess(output, logits)
+        if self.spec is None:
+            return self._postprocess(output, logits)
+        events = self._postprocess_speculative(output, logits)
+        self.spec.forget(self.scheduler.running)
+        return events
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
@@ -101,6 +144,8 @@ class Engine:
             return False
         request.finish_reason = "abort"
         self.scheduler.finish(request)
+        if self.spec is not None:
+            self.spec.forget(self.scheduler.running)
         return True
 
     def has_capacity(self) -> bool:
@@ -117,6 +162,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            num_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
+            num_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0,
         )
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -163,20 +210,49 @@ class Engine:
         token_ids = result.token_ids.tolist()
         return [self._append_token(r, t, lp) for r, t, lp in zip(sampled, token_ids, result.logprobs, strict=True)]
 
+    def _postprocess_speculative(self, output: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        """Verify each request's speculative tokens (requests without any sample as usual), keep the accepted
+        ones, and roll the rest back: their K/V stops counting as computed and emptied blocks are freed."""
+        assert self.spec is not None
+        chunks = [c for c in output.chunks if c.needs_logits]
+        requests = [self._requests[c.request_id] for c in chunks]
+        events = []
+        for request, verified in zip(requests, self.spec.verify(requests, chunks, logits), strict=True):
+            event = self._append_tokens(request, verified.token_ids, verified.logprobs,
+                                        verified.num_draft_tokens, verified.num_accepted_tokens)
+            self.spec.record(event.num_draft_tokens, event.num_accepted_tokens)
+            if not request.is_finished:
+                self.scheduler.accept_speculation(request, verified.num_accepted_tokens)
+            events.append(event)
+        return events
+
     def _append_token(self, request: Request, token_id: int, logprob: Logprob | None) -> StepOutput:
         """Record a sampled token, detokenize it and decide whether the request is done."""
-        request.output_token_ids.append(token_id)
-        if logprob is not None:
-            request.logprobs.append(logprob)
-        reason: FinishReason | None = "stop" if self._is_stop_token(request, token_id) else None
+        return self._append_tokens(request, [token_id], [logprob])
+
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list[Logprob | None],
+                       num_draft_tokens: int = 0, num_accepted_tokens: int = 0) -> StepOutput:
+        """Record sampled tokens in order, detokenizing each; the first one that ends the request (a stop token,
+        a stop string, ``max_tokens``) drops the rest. ``num_accepted_tokens`` counts the speculative ones kept."""
+        reason: FinishReason | None = None
         text_delta = ""
-        if reason is None:  # a stop token ends the request without adding its text (as vLLM does)
+        num_appended = 0
+        for token_id, logprob in zip(token_ids, logprobs, strict=True):
+            request.output_token_ids.append(token_id)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            num_appended += 1
+            if self._is_stop_token(request, token_id):
+                reason = "stop"  # a stop token ends the request without adding its text (as vLLM does)
+                break
             update = request.detokenizer.push([token_id])
-            text_delta = update.text_delta
+            text_delta += update.text_delta
             if update.stop_hit:
                 reason = "stop"
             elif request.num_output_tokens >= request.max_tokens:
                 reason = "length"
+            if reason is not None:
+                break
         if reason is not None:
             if not request.detokenizer.stop_hit:
                 text_delta += request.detokenizer.flush()
@@ -184,11 +260,13 @@ class Engine:
             request.finish_reason = reason
             del self._requests[request.request_id]
             self.scheduler.finish(request)
+        appended_logprobs = tuple(lp for lp in logprobs[:num_appended] if lp is not None)
         return StepOutput(
-            request_id=request.request_id, new_token_ids=(token_id,), text_delta=text_delta,
+            request_id=request.request_id, new_token_ids=tuple(token_ids[:num_appended]), text_delta=text_delta,
             finished=reason is not None, finish_reason=reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
-            logprobs=(logprob,) if logprob is not None else (),
+            logprobs=appended_logprobs, num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=min(num_accepted_tokens, num_appended),
         )
 
     def _is_stop_token(self, request: Request, token_id: int) -> bool:

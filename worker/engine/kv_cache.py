@@ -36,11 +36,23 @@ class KVCache:
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of whole block tables. ``block_tables``: [B, max_blocks] -> two [B, max_blocks * block_size, kvh, hd]."""
-        keys = self.keys[layer][block_tables]  # [B, max_blocks, block_size, kvh, hd]
-        values = self.values[layer][block_tables]
+        # index_select on a [num_blocks, block_size * kvh * hd] view copies whole blocks as rows: on CPU about 3x
+        # faster than advanced indexing of the 4-d tensor (which this gather was, and it showed in decode profiles).
         num_seqs, max_blocks = block_tables.shape
-        return (keys.view(num_seqs, max_blocks * self.block_size, *keys.shape[3:]),
-                values.view(num_seqs, max_blocks * self.block_size, *values.shape[3:]))
+        flat_ids = block_tables.reshape(-1)
+        shape = (num_seqs, max_blocks * self.block_size, *self.keys[layer].shape[2:])
+        keys = self.keys[layer].view(self.num_blocks, -1).index_select(0, flat_ids).view(shape)
+        values = self.values[layer].view(self.num_blocks, -1).index_select(0, flat_ids).view(shape)
+        return keys, values
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate blocks ``src -> dst`` in every layer, before a request writes into its copy."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.keys[0].device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.keys[0].device)
+        for cache in (*self.keys, *self.values):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 def prepare_slot_mapping(block_ids: Sequence[int], start: int, num_tokens: int, block_size: int) -> list[int]:

@@ -24,6 +24,7 @@ from worker.engine.attention import (
 )
 from worker.engine.config import EngineConfig, EnginePlan, ModelShape, make_plan, pick_device, pick_dtype
 from worker.engine.kv_cache import KVCache, prepare_block_tables, prepare_slot_mapping
+from worker.engine.quantization import quantize_linears_int8
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,19 @@ class ModelRunner:
     """The model, its KV cache and the tensor plumbing of one forward pass."""
 
     def __init__(self, config: EngineConfig, folder: Path) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: torch has no per-model thread pool
         device = pick_device(config)
         dtype = pick_dtype(config, device)
         attn_name = register_paged_attention()
         self.model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=attn_name)
         self.model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() via a decorator
+        if config.quantization == "int8":
+            if device.type != "cpu" or dtype != torch.float32:
+                raise ValueError(f"EngineConfig.quantization 'int8' needs device cpu and dtype float32, got "
+                                 f"{device.type} and {dtype}")
+            quantize_linears_int8(self.model)
         self.shape = model_shape(self.model.config)
         self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
         self.kv_cache = KVCache(self.shape, self.plan)
@@ -66,6 +74,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns float32 logits ``[num_chunks_needing_logits, vocab]`` in chunk order."""
+        self.kv_cache.copy_blocks(output.block_copies)  # copy-on-write, before this step writes into the copies
         input_ids, position_ids, metadata, logits_indices = self.prepare_inputs(output.chunks)
         result = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             logits_to_keep=logits_indices,
@@ -91,8 +100,8 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + num))
             slots.extend(prepare_slot_mapping(chunk.block_ids, start, num, block_size))
-            if chunk.needs_logits:
-                logits_indices.append(offset + num - 1)
+            if chunk.needs_logits:  # the last known token and every speculative one after it
+                logits_indices.extend(range(offset + num - 1 - chunk.num_spec_tokens, offset + num))
             if num == 1:
                 single_idx.append(offset)
                 single_tables.append(chunk.block_ids)

@@ -51,7 +51,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_pending_forks: int = 0  # siblings (n > 1) that start from this request's prompt once it is computed
     text: str = ""
+    # Proposed next tokens (speculative decoding), not yet part of the output: the scheduler computes them after
+    # the last known token and the engine keeps the ones the target model accepts. Set fresh every step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

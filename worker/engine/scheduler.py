@@ -31,12 +31,14 @@ class ScheduledChunk:
     start_position: int
     block_ids: tuple[int, ...]  # the request's whole block table
     needs_logits: bool  # the chunk reaches the last known token, so the model's output picks the next one
+    num_spec_tokens: int = 0  # trailing speculative tokens in ``token_ids``; each also needs its logits
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     preempted_ids: tuple[str, ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst) block ids, done before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +63,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
+        self._block_copies: list[tuple[int, int]] = []  # this step's copy-on-write (src, dst) pairs
+        self._forks: dict[Request, list[Request]] = {}  # parent -> its children not started yet
+        self._fork_parent: dict[str, Request] = {}  # child request id -> its parent, while not started
 
     @property
     def num_waiting(self) -> int:
@@ -74,12 +79,15 @@ class Scheduler:
         """Decide the next step and advance each chosen request's ``num_computed_tokens`` accordingly."""
         scheduled: dict[str, int] = {}  # request_id -> new tokens this step, in batch order
         preempted: list[Request] = []
+        self._block_copies = []
+        if self._forks:
+            self._start_forks()
         budget = self._schedule_running(scheduled, preempted)
         if not preempted:
             self._schedule_waiting(scheduled, budget)
         by_id = {r.request_id: r for r in self.running}
         chunks = tuple(self._make_chunk(by_id[rid], n) for rid, n in scheduled.items())
-        return SchedulerOutput(chunks, tuple(r.request_id for r in preempted))
+        return SchedulerOutput(chunks, tuple(r.request_id for r in preempted), tuple(self._block_copies))
 
     def _schedule_running(self, scheduled: dict[str, int], preempted: list[Request]) -> int:
         """Give running requests their next tokens, preempting when blocks run out; returns the budget left."""
@@ -90,8 +98,11 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = min(request.num_uncomputed_tokens + len(request.spec_token_ids), budget)
             while not self._try_allocate(request, num_new):
+                if num_new > request.num_uncomputed_tokens:  # drop speculative tokens before preempting anyone
+                    num_new = min(request.num_uncomputed_tokens, budget)
+                    continue
                 victim = max(self.running, key=Request.sort_key)  # lowest priority, latest arrival
                 budget += scheduled.pop(victim.request_id, 0)
                 self._preempt(victim)
@@ -107,6 +118,9 @@ class Scheduler:
         """Admit waiting requests in (priority, arrival) order while seats, budget and blocks last."""
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][2]
+            reserved = sum(r.num_pending_forks for r in self.running)  # seats promised to running parents' forks
+            if len(self.running) + reserved + 1 + request.num_pending_forks > self.max_num_seqs:
+                break
             if self.pool.enable_caching:
                 self._apply_prefix_cache(request)
             num_new = min(request.num_uncomputed_tokens, budget)
@@ -123,6 +137,8 @@ class Scheduler:
 
     def _try_allocate(self, request: Request, num_new: int) -> bool:
         """Grow the request's block table to hold ``num_new`` more tokens; False (nothing taken) if out of blocks."""
+        if not self._try_copy_on_write(request):
+            return False
         missing = num_blocks_needed(request.num_computed_tokens + num_new, self.block_size) - len(request.block_ids)
         if missing <= 0:
             return True
@@ -132,13 +148,77 @@ class Scheduler:
         request.block_ids.extend(block_ids)
         return True
 
+    def _try_copy_on_write(self, request: Request) -> bool:
+        """Before the request writes into a partly filled block that forks share, swap in a private copy (the
+        last sharer to write keeps the original); False (nothing changed) if no block is free for the copy."""
+        index, offset = divmod(request.num_computed_tokens, self.block_size)
+        if offset == 0 or index >= len(request.block_ids) or self.pool.ref_count(request.block_ids[index]) == 1:
+            return True
+        copy = self.pool.allocate(1)
+        if copy is None:
+            return False
+        self._block_copies.append((request.block_ids[index], copy[0]))
+        self.pool.free([request.block_ids[index]])
+        request.block_ids[index] = copy[0]
+        return True
+
+    def add_group(self, parent: Request, children: list[Request]) -> None:
+        """Queue a parent whose ``children`` (same prompt, own sampling: a job's n > 1 choices) wait until its
+        prompt is computed, then start from its blocks instead of prefilling the prompt again (``_start_forks``)."""
+        parent.num_pending_forks = len(children)
+        self._forks[parent] = children
+        for child in children:
+            self._fork_parent[child.request_id] = parent
+        self.add(parent)
+
+    def _start_forks(self) -> None:
+        """Start the children of every parent whose prompt K/V is complete."""
+        for parent in list(self._forks):
+            if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens >= parent.num_prompt_tokens:
+                self._fork(parent)
+
+    def _fork(self, parent: Request) -> None:
+        """Each child shares the parent's blocks for prompt positions ``[0, P - 1)`` (one reference more) and
+        computes position ``P - 1`` itself, for its own next-token logits. The block holding ``P - 1``, when it is
+        partly filled and shared, is copied on the child's first write (``_try_copy_on_write``)."""
+        children = self._forks.pop(parent)
+        num_shared = parent.num_prompt_tokens - 1
+        shared_ids = parent.block_ids[:num_blocks_needed(num_shared, self.block_size)]
+        for child in children:
+            del self._fork_parent[child.request_id]
+            self.pool.touch(shared_ids)
+            child.block_ids = list(shared_ids)
+            child.block_hashes = parent.block_hashes[:num_shared // self.block_size]
+            child.num_computed_tokens = num_shared
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.num_pending_forks = 0
+
+    def _release_forks(self, parent: Request) -> None:
+        """The parent ends: start its children from its prompt if that is computed, else queue them on their own."""
+        if parent not in self._forks:
+            return
+        if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens >= parent.num_prompt_tokens:
+            self._fork(parent)
+            return
+        for child in self._forks.pop(parent):
+            del self._fork_parent[child.request_id]
+            self.add(child)
+        parent.num_pending_forks = 0
+
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        """``num_new`` known tokens, then any speculative ones the budget left room for. Speculative tokens are
+        not counted as computed: the engine advances ``num_computed_tokens`` over the accepted ones afterwards."""
         start = request.num_computed_tokens
-        request.num_computed_tokens += num_new
-        token_ids = tuple(request.token_ids_slice(start, start + num_new))
+        num_known = min(num_new, request.num_uncomputed_tokens)
+        spec_token_ids = request.spec_token_ids[:num_new - num_known]
+        request.num_computed_tokens += num_known
+        token_ids = tuple(request.token_ids_slice(start, start + num_known)) + tuple(spec_token_ids)
         return ScheduledChunk(request_id=request.request_id, token_ids=token_ids, start_position=start,
                               block_ids=tuple(request.block_ids),
-                              needs_logits=request.num_computed_tokens == request.num_tokens)
+                              needs_logits=request.num_computed_tokens == request.num_tokens,
+                              num_spec_tokens=len(spec_token_ids))
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it again; it keeps its tokens and recomputes their K/V later."""
@@ -192,8 +272,25 @@ class Scheduler:
                 self.pool.cache_block(request.block_ids[i], block_hash)
                 request.block_hashes.append(block_hash)
 
+    def accept_speculation(self, request: Request, num_accepted: int) -> None:
+        """After verification: the K/V of the ``num_accepted`` kept speculative tokens count as computed; those of
+        rejected ones are dropped (their slots are overwritten later) and blocks left holding only them are freed."""
+        request.num_computed_tokens += num_accepted
+        assert request.num_computed_tokens < request.num_tokens
+        num_kept = num_blocks_needed(request.num_tokens, self.block_size)  # room for the last token's K/V
+        self.pool.free(request.block_ids[num_kept:])
+        del request.block_ids[num_kept:]
+
     def finish(self, request: Request) -> None:
         """Remove a request that is done (or aborted) and free its blocks now."""
+        if request in self._forks:
+            self._release_forks(request)
+        parent = self._fork_parent.pop(request.request_id, None)
+        if parent is not None:  # a child that never started
+            self._forks[parent].remove(request)
+            parent.num_pending_forks -= 1
+            if not self._forks[parent]:
+                del self._forks[parent]
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
