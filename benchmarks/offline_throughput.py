@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -43,6 +44,8 @@ class RunResult:
     seconds: float
     prompt_tokens: int
     output_tokens: int
+    load_before: float = 0.0  # 1-minute load average when the run started (other jobs share these cores)
+    load_after: float = 0.0
 
     @property
     def output_tps(self) -> float:
@@ -71,6 +74,17 @@ def make_workload(name: str, vocab: int, seed: int = 0, scale: float = 1.0) -> l
     if name == "long":
         return [Req(ids(rng.randint(1024, 2048)), rng.randint(16, 64)) for _ in range(count(16))]
     raise ValueError(f"workload must be mixed, shared_prefix or long, got {name!r}")
+
+
+def default_threads() -> int:
+    """The cores this process may use minus those other processes keep busy (1-minute load average), at least 1.
+
+    On a shared machine a torch thread per core is a trap: when another process holds a core, torch's threads
+    wait for each other at every op's barrier (measured: a batch-64 decode step 0.83 s with 1 thread, 4.2 s with
+    2, at load ~3 on 2 cores; docs/performance.md).
+    """
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, cores - round(os.getloadavg()[0])))
 
 
 def matmul_rate_gflops(n: int = 2048, repeats: int = 10) -> float:
@@ -181,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--workloads", default="mixed,shared_prefix,long")
-    parser.add_argument("--systems", default="naive,hf_cb,engine,engine_no_prefix_cache")
+    parser.add_argument("--systems", default="naive,hf_cb,engine,engine_no_prefix_cache,engine_int8")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests, for a smoke run")
+    parser.add_argument("--scale", type=float, default=None, help="request-count scale (overrides --quick)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every system (default: the cores not already busy, at least 1)")
     parser.add_argument("--out", type=Path, default=RESULTS / "offline_throughput")
     args = parser.parse_args(argv)
 
@@ -192,18 +209,23 @@ def main(argv: list[str] | None = None) -> int:
     from worker.models import resolve_model
 
     torch.manual_seed(0)
+    args.threads = args.threads or default_threads()
+    torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = hf_model.config
     rate = matmul_rate_gflops()
     print(f"fp32 matmul rate: {rate:.1f} GFLOP/s on {torch.get_num_threads()} threads", flush=True)
+    common = dict(model=str(path), num_threads=args.threads)
     engines: dict[str, Callable[[], object]] = {
-        "engine": lambda: Engine(EngineConfig(model=str(path), enable_prefix_caching=True)),
-        "engine_no_prefix_cache": lambda: Engine(EngineConfig(model=str(path), enable_prefix_caching=False)),
+        "engine": lambda: Engine(EngineConfig(**common, enable_prefix_caching=True)),
+        "engine_no_prefix_cache": lambda: Engine(EngineConfig(**common, enable_prefix_caching=False)),
+        "engine_int8": lambda: Engine(EngineConfig(**common, quantization="int8")),
     }
     systems = args.systems.split(",")
     results: list[RunResult] = []
-    scale = 0.25 if args.quick else 1.0
+    scale = args.scale if args.scale is not None else 0.25 if args.quick else 1.0
+    args.scale = scale
     for workload in args.workloads.split(","):
         reqs = make_workload(workload, config.vocab_size, scale=scale)
         prompt_tokens = sum(len(r.prompt) for r in reqs)
@@ -211,19 +233,29 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             if system == "engine_no_prefix_cache" and workload != "shared_prefix":
                 continue
+            if system == "engine_int8" and workload != "mixed":
+                continue
+            load_before = os.getloadavg()[0]
             if system == "naive":
                 seconds = run_naive(hf_model, reqs, pad_id=config.pad_token_id or 0)
             elif system == "hf_cb":
                 seconds = run_hf_continuous(hf_model, reqs)
             else:
                 seconds = run_engine(engines[system](), reqs)
-            result = RunResult(system, workload, seconds, prompt_tokens, output_tokens)
+            result = RunResult(system, workload, seconds, prompt_tokens, output_tokens, load_before,
+                               os.getloadavg()[0])
             results.append(result)
-            print(f"{workload:14s} {system:24s} {seconds:8.1f} s  {result.output_tps:8.1f} out tok/s", flush=True)
+            print(f"{workload:14s} {system:24s} {seconds:8.1f} s  {result.output_tps:8.1f} out tok/s  "
+                  f"(load {load_before:.1f} -> {result.load_after:.1f})", flush=True)
     efficiency = []
     if "engine" in systems:
         engine = engines["engine"]()
+        # The matmul rate again, next to the decode steps, so both see the same load.
+        rate = (rate + matmul_rate_gflops()) / 2
         efficiency = [decode_step_efficiency(engine, config, b, rate) for b in (1, 16, 64)]
+        for e in efficiency:
+            print(f"decode batch {e['batch']:3d}: {e['step_seconds'] * 1e3:7.1f} ms/step, "
+                  f"{e['fraction_of_matmul']:.0%} of matmul rate", flush=True)
     report = build_report(results, efficiency, rate, config, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
@@ -242,27 +274,33 @@ def build_report(results, efficiency, rate, config, args) -> dict:
         for base in ("naive", "hf_cb", "engine_no_prefix_cache"):
             if (base, workload) in by_key:
                 ratios[f"{workload}: engine / {base}"] = r.output_tps / by_key[(base, workload)].output_tps
+        if ("engine_int8", workload) in by_key:
+            ratios[f"{workload}: engine_int8 / engine"] = by_key[("engine_int8", workload)].output_tps / r.output_tps
     rows = []
     for r in results:
-        flops = workload_flops(config, make_workload(r.workload, config.vocab_size, scale=0.25 if args.quick else 1))
+        flops = workload_flops(config, make_workload(r.workload, config.vocab_size, scale=args.scale))
         rows.append({**asdict(r), "output_tps": r.output_tps, "total_tps": r.total_tps,
                      "gflops": flops / r.seconds / 1e9, "fraction_of_matmul": flops / r.seconds / 1e9 / rate})
     return {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "matmul_gflops": rate},
-        "model": args.model, "quick": args.quick, "results": rows, "ratios": ratios, "decode_efficiency": efficiency,
+                    "torch": torch.__version__, "matmul_gflops": rate, "load_average": os.getloadavg()},
+        "model": args.model, "quick": args.quick, "scale": args.scale, "results": rows, "ratios": ratios,
+        "decode_efficiency": efficiency,
     }
 
 
 def render_markdown(report: dict) -> str:
     """The README/performance-doc table."""
     m = report["machine"]
-    lines = [f"fp32 matmul rate: **{m['matmul_gflops']:.0f} GFLOP/s** ({m['threads']} threads, torch {m['torch']})",
-             "", "| workload | system | seconds | output tok/s | total tok/s | GFLOP/s | of matmul rate |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    load = ", ".join(f"{x:.1f}" for x in m["load_average"])
+    lines = [f"fp32 matmul rate: **{m['matmul_gflops']:.0f} GFLOP/s** ({m['threads']} threads, torch {m['torch']}); "
+             f"request scale {report['scale']}; load average at the end {load}",
+             "", "| workload | system | seconds | output tok/s | total tok/s | GFLOP/s | of matmul rate | load |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
         lines.append(f"| {r['workload']} | {r['system']} | {r['seconds']:.1f} | {r['output_tps']:.1f} | "
-                     f"{r['total_tps']:.1f} | {r['gflops']:.1f} | {r['fraction_of_matmul']:.0%} |")
+                     f"{r['total_tps']:.1f} | {r['gflops']:.1f} | {r['fraction_of_matmul']:.0%} | "
+                     f"{r['load_before']:.1f} |")
     lines += ["", "| ratio (output tok/s) | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f}x |" for k, v in report["ratios"].items()]
     if report["decode_efficiency"]:

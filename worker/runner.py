@@ -265,6 +265,9 @@ class Runner:
     async def _start(self, job: ClaimedJob) -> None:
         """Add the job's requests to the engine; a job the engine refuses fails with the reason."""
         sub = job.submission
+        stale = self._active.pop(sub.id, None)
+        if stale is not None:  # claimed again before we noticed its lease was lost: the old attempt is dead
+            await self._on_engine(self._abort_all, stale.unfinished_request_ids())
         try:
             num_prompt_tokens = await self._on_engine(self._add_requests, sub)
         except Exception as exc:  # bad params, prompt too long, template error: this job's fault, not ours
@@ -286,15 +289,10 @@ class Runner:
             raise ValueError(f"model: this worker serves {self._model!r}, not {job.model!r}")
         prompt = prompt_token_ids(job, self._engine.tokenizer)
         params = SamplingParams(**job.params.model_dump())
-        added: list[str] = []
-        try:
-            for i in range(job.n):
-                self._engine.add_request(request_id(job.id, i), prompt, params, priority=job.priority)
-                added.append(request_id(job.id, i))
-        except Exception:
-            for rid in added:
-                self._engine.abort(rid)
-            raise
+        # One group: the prompt is prefilled once and its KV blocks shared by the n choices; choice i of a seeded
+        # job draws with seed + i (Engine.add_request_group).
+        self._engine.add_request_group([request_id(job.id, i) for i in range(job.n)], prompt, params,
+                                       priority=job.priority)
         return len(prompt)
 
     # --- stepping -------------------------------------------------------------------------------------------
