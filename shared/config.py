@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     speculative: str | None = Field(None, description="ngram | draft | unset")
     draft_model: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    speculative_max_batch: int = Field(8, ge=1, description="speculate only while at most this many requests run")
+    quantization: str | None = Field(None, description="int8 = int8 weights (faster on CPU, lower quality) | unset")
+    num_threads: int | None = Field(None, ge=1, description="torch threads; unset = the cores this process may use")
     worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
     drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="worker Prometheus port; unset = none")

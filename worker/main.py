@@ -36,9 +36,10 @@ def engine_config(settings: Settings) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         speculative_method=settings.speculative, draft_model=settings.draft_model,
         num_speculative_tokens=settings.num_speculative_tokens,
-        # One torch thread per core this process may run on (torch's own default counts the machine's cores,
-        # which oversubscribes a pinned or shared worker; docs/performance.md).
-        num_threads=len(os.sched_getaffinity(0)),
+        speculative_max_batch=settings.speculative_max_batch, quantization=settings.quantization,
+        # Default: one torch thread per core this process may run on (torch's own default counts the machine's
+        # cores, which oversubscribes a pinned or shared worker; docs/performance.md).
+        num_threads=settings.num_threads or len(os.sched_getaffinity(0)),
     )
 
 
