@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
-import uuid
 from typing import Any
 
 from pydantic import ValidationError
@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def new_job_id() -> str:
-    """A fresh job id: 32 hex characters (JobSubmission allows ``[A-Za-z0-9_-]{8,64}``)."""
-    return uuid.uuid4().hex
+    """A fresh job id: 32 hex characters of 128 random bits, unguessable (``uuid4`` has only 122 random bits).
+    JobSubmission allows ``[A-Za-z0-9_-]{8,64}``."""
+    return secrets.token_hex(16)
 
 
 async def resolve_model(catalog: ModelCatalog, name: str | None) -> ServedModel:

@@ -324,8 +324,9 @@ class JobQueue:
                     raise ValueError(f"submission id/model ({submission.id}, {submission.model}) do not match "
                                      f"its record ({job_id}) and queue ({model})")
             except ValueError as exc:  # pydantic's ValidationError is a ValueError
-                log.warning("job %s is malformed, failing it: %s", job_id, exc, extra={"job_id": job_id})
-                await self.fail(job_id, int(fence), f"invalid job: {exc}")
+                reason = _invalid_reason(exc)
+                log.warning("job %s is malformed, failing it: %s", job_id, reason, extra={"job_id": job_id})
+                await self.fail(job_id, int(fence), f"invalid job: {reason}")
                 continue
             claimed.append(ClaimedJob(submission, int(fence), int(attempt)))
         return claimed
@@ -429,6 +430,15 @@ class JobQueue:
             start = f"({_text(chunk[-1][0])}"
 
 
+def _invalid_reason(exc: ValueError) -> str:
+    """Why a submission is invalid, without echoing its values: pydantic's message quotes the input (the
+    prompt), and prompts must stay out of logs."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'submission'}: {e['msg']}"
+                         for e in exc.errors(include_input=False, include_url=False))
+    return str(exc)
+
+
 def _entry_event(fields: dict[Any, Any]) -> dict[str, Any]:
     """The event JSON of one replay-log entry (field ``data``), decoded responses or not."""
     event: dict[str, Any] = json.loads(fields[b"data"] if b"data" in fields else fields["data"])
@@ -485,9 +495,11 @@ class _StreamReader:
         ``poll_interval_s`` or a reconnect the log is read again and the job checked, so a finished or expired
         job never leaves the reader waiting.
         """
-        pending = await self._replay_or_end()
+        pending: list[dict[str, Any]] | None = None  # None: the first replay is still to do
         while True:
             try:
+                if pending is None:  # inside the try: Redis may go away between subscribing and this first read
+                    pending = await self._replay_or_end()
                 for raw in pending:
                     if raw["seq"] <= self._last and not raw.get("again"):
                         continue

@@ -8,13 +8,34 @@ Everything here is JSON (never pickle) and versioned by ``SCHEMA_VERSION``. The 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+def check_unicode(data: Any) -> Any:
+    """``data`` unchanged if every string in it (keys too) is valid Unicode; else ValueError.
+
+    JSON allows lone surrogate escapes ("\\ud800") that Python's json module decodes into strings no tokenizer,
+    JSON encoder or Redis client can encode; a request carrying one must fail validation (a 400), not later.
+    """
+    todo = [data]
+    while todo:  # a loop, not recursion: nesting depth is the client's choice
+        item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                raise ValueError("strings must be valid Unicode (no lone surrogates \\ud800-\\udfff)") from None
+        elif isinstance(item, dict):
+            todo += [*item.keys(), *item.values()]
+        elif isinstance(item, list | tuple):
+            todo += item
+    return data
 
 
 class _Wire(BaseModel):

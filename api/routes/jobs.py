@@ -43,6 +43,7 @@ from shared.schemas import (
     RestartEvent,
     StreamEvent,
     TokenEvent,
+    check_unicode,
 )
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -60,6 +61,11 @@ class _JobOptions(GenerationParams):
     n: int = Field(1, ge=1, description="choices; capped by the server's max_n")
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first")
     background: bool = Field(False, description="stored with the job; jobs submitted here always run to the end")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return check_unicode(data)
 
     def params(self) -> GenerationParams:
         return GenerationParams(**self.model_dump(include=set(_PARAM_FIELDS)))

@@ -144,7 +144,10 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
         message = final.message if final is not None else "the job's stream ended without a result"
         raise APIError(500, message, type="server_error", code="job_lost")
     if final.job.status == JobStatus.FAILED:
-        raise APIError(500, final.job.error or "the job failed", type="server_error", code="job_failed")
+        error = final.job.error or "the job failed"
+        if error.startswith("invalid job"):  # the worker refused the request's input (docs/protocol.md): a 400
+            raise invalid_request(error, code="invalid_job")
+        raise APIError(500, error, type="server_error", code="job_failed")
     return Response(render(final.job).model_dump_json(), media_type="application/json")
 
 

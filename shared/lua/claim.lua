@@ -5,18 +5,40 @@
 local ctx = cjson.decode(ARGV[1])
 local t = now()
 local claimed = {}
+local model = string.sub(KEYS[1], #ctx.queue_prefix + 1, #KEYS[1] - #ctx.queue_suffix)
+
+local function is_int(v) return v == false or string.match(v, '^%-?%d+$') ~= nil end
+
+-- A record written by hand rather than by submit.lua may hold anything. The fields later scripts compute
+-- with (counters, score, model) are made sane here, so a garbage record fails cleanly instead of making every
+-- later script on it (publish, fail, reap) raise an error.
+local function repair(jk, score)
+  for _, field in ipairs({'fence', 'attempts', 'seq'}) do
+    if not is_int(redis.call('HGET', jk, field)) then redis.call('HSET', jk, field, 0) end
+  end
+  if not is_int(redis.call('HGET', jk, 'score')) then redis.call('HSET', jk, 'score', score) end
+  redis.call('HSET', jk, 'model', model)
+end
+
 local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[3]))
 for i = 1, #popped, 2 do
   local id = popped[i]
   local jk = job_key(ctx, id)
+  -- pcall: a key of another type where the record belongs is an error reply, not a queued job.
+  local status = redis.pcall('HGET', jk, 'status')
   -- A queue entry without a queued record (deleted or pushed by hand) is dropped, not run.
-  if redis.call('HGET', jk, 'status') == 'queued' then
-    local fence = redis.call('HINCRBY', jk, 'fence', 1)
-    local attempt = redis.call('HINCRBY', jk, 'attempts', 1)
-    redis.call('HSET', jk, 'status', 'running', 'worker_id', ARGV[2], 'started_at', fmt(t), 'pub', 0)
-    redis.call('HDEL', jk, 'first_token_at')
-    redis.call('ZADD', KEYS[2], fmt(t + ctx.lease_ttl_s), id)
-    claimed[#claimed + 1] = {id, redis.call('HGET', jk, 'submission') or '', fence, attempt}
+  if status == 'queued' then
+    repair(jk, string.format('%.0f', tonumber(popped[i + 1])))
+    if #id < 8 or #id > 64 or not string.match(id, '^[%w_%-]+$') then
+      finish(ctx, KEYS[2], id, 'failed', {'error', 'invalid job: id must be 8-64 characters of [A-Za-z0-9_-]'})
+    else
+      local fence = redis.call('HINCRBY', jk, 'fence', 1)
+      local attempt = redis.call('HINCRBY', jk, 'attempts', 1)
+      redis.call('HSET', jk, 'status', 'running', 'worker_id', ARGV[2], 'started_at', fmt(t), 'pub', 0)
+      redis.call('HDEL', jk, 'first_token_at')
+      redis.call('ZADD', KEYS[2], fmt(t + ctx.lease_ttl_s), id)
+      claimed[#claimed + 1] = {id, redis.call('HGET', jk, 'submission') or '', fence, attempt}
+    end
   else
     redis.log(redis.LOG_WARNING, 'tokenspool claim: dropped queue entry without a queued job: ' .. id)
   end

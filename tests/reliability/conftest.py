@@ -1,5 +1,6 @@
-"""Reliability fixtures: a ``tokenspool api`` process per module and worker processes per test, all on the
-session's real Redis (flushed before each test by ``redis_url``)."""
+"""Reliability fixtures: one ``tokenspool api`` process and one standing worker for the whole run, plus worker
+processes per test, all on the session's real Redis (flushed before each test by ``redis_url``). The shared
+processes are started once because every start costs seconds (torch, the model) on a busy 2-core machine."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import pytest
 
 from shared.redis_server import RedisServer
 from tests.queue.worker_process import WorkerProcess
-from tests.reliability.stack import ApiProcess
+from tests.reliability.stack import MODEL, ApiProcess
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def api_process(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
-    """One API process for the module's tests; a test may kill and restart it (same port)."""
+    """One API process; a test may kill and restart it (same port)."""
     if not redis_server.running:
         redis_server.start()
     api = ApiProcess(redis_server.url, tmp_path_factory.mktemp("api-logs")).start()
@@ -29,10 +30,23 @@ def new_worker(redis_url: str, tiny_llama: Path, tmp_path: Path) -> Iterator[Cal
     made: list[WorkerProcess] = []
 
     def make(worker_id: str, **settings: object) -> WorkerProcess:
-        worker = WorkerProcess(redis_url, tiny_llama, tmp_path, worker_id, **settings)
+        worker = WorkerProcess(redis_url, tiny_llama, tmp_path, worker_id, name=MODEL, **settings)
         made.append(worker)
         return worker
 
     yield make
     for worker in made:
         worker.stop()
+
+
+@pytest.fixture(scope="session")
+def standing_worker(redis_server: RedisServer, tiny_llama: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """A worker that lasts the whole run and outlives each test's faulty ones. Tests may freeze it (SIGSTOP)
+    for a while but must leave it running."""
+    if not redis_server.running:
+        redis_server.start()
+    worker = WorkerProcess(redis_server.url, tiny_llama, tmp_path_factory.mktemp("standing"), "standing", name=MODEL)
+    worker.start()
+    yield worker
+    worker.stop()

@@ -8,11 +8,12 @@ Process helpers come from the existing suites (imported, not copied); what is he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from tests.e2e.test_walking_skeleton import Process, clean_env, http_ok, spawn, 
 from tests.queue.worker_process import WorkerProcess
 
 TERMINAL = ("succeeded", "failed", "cancelled")
-MODEL = "tiny"  # the name WorkerProcess serves its model under
+MODEL = "tiny-rel"  # the served model name: its own queue, so no other suite's worker or job mixes in
 
 
 class ApiProcess:
@@ -80,6 +81,16 @@ def start_workers(workers: Iterable[WorkerProcess]) -> list[WorkerProcess]:
     with ThreadPoolExecutor(len(workers)) as pool:
         list(pool.map(lambda w: w.start(), workers))
     return workers
+
+
+@contextlib.contextmanager
+def frozen(worker: WorkerProcess) -> Iterator[None]:
+    """SIGSTOP the worker for the block: it computes nothing, claims nothing and renews no lease."""
+    worker.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        worker.signal(signal.SIGCONT)
 
 
 def worker_log(worker: WorkerProcess) -> list[dict[str, Any]]:

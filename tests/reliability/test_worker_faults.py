@@ -18,12 +18,13 @@ from redis.asyncio import Redis
 
 from shared import keys
 from tests.queue.worker_process import WorkerProcess
-from tests.reliability.stack import ApiProcess, assert_clean_stream, follow, poll, start_workers, submit, worker_log
+from tests.reliability.stack import ApiProcess, assert_clean_stream, follow, frozen, poll, submit, worker_log
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The sea was", "Once upon a time", "In the beginning", "Dear diary,"]
 GREEDY_TOKENS = 64
+LONG_TOKENS = 700  # far more than the draining worker can produce within its drain timeout
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +62,18 @@ async def _wait_running_on(redis: Redis, job_ids: list[str], worker: WorkerProce
     return held
 
 
+async def _wait_claimed(redis: Redis, job_ids: list[str], worker: WorkerProcess, timeout_s: float = 60) -> None:
+    """Until every job was claimed by ``worker`` (running or already finished there)."""
+    deadline = time.monotonic() + timeout_s
+    while {await redis.hget(keys.job(job_id), "worker_id") for job_id in job_ids} != {worker.worker_id.encode()}:
+        assert time.monotonic() < deadline, worker.log_tail()
+        await asyncio.sleep(0.02)
+
+
 async def test_kill_9_while_20_jobs_stream_every_job_finishes_with_the_greedy_text(
-        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], redis_url: str,
-        greedy: dict[str, list[int]]) -> None:
-    t0 = time.monotonic()
-    victim, survivor = start_workers([new_worker("kill-w1"), new_worker("kill-w2")])
-    print("started", time.monotonic() - t0)
+        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], standing_worker: WorkerProcess,
+        redis_url: str, greedy: dict[str, list[int]]) -> None:
+    survivor, victim = standing_worker, new_worker("kill-victim").start()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(20)]
     body = {"max_tokens": GREEDY_TOKENS, "min_tokens": GREEDY_TOKENS, "temperature": 0}
     async with httpx.AsyncClient(base_url=api_process.base_url, timeout=60) as client, \
@@ -77,10 +84,8 @@ async def test_kill_9_while_20_jobs_stream_every_job_finishes_with_the_greedy_te
         victim.signal(signal.SIGKILL)
         victim.wait(10)
         held = await _running_on(redis, job_ids, victim.worker_id, min_events=1)  # its lease has not run out yet
-        print("killed", time.monotonic() - t0)
-        assert len(held) >= 4
+        assert held
         results = await asyncio.wait_for(asyncio.gather(*streams), 120)
-        print("done", time.monotonic() - t0)
 
     for prompt, stream in zip(prompts, results, strict=True):
         assert_clean_stream(stream)
@@ -95,63 +100,63 @@ async def test_kill_9_while_20_jobs_stream_every_job_finishes_with_the_greedy_te
 
 
 async def test_sigterm_under_load_drains_and_hands_back_the_rest_uncharged(
-        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], redis_url: str) -> None:
-    drain_timeout_s = 1.5
-    draining, standby = start_workers([new_worker("drain-w1", drain_timeout_s=drain_timeout_s),
-                                       new_worker("drain-w2")])
-    standby.signal(signal.SIGSTOP)  # frozen, so the draining worker gets all the jobs and nobody steals them
-    short = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
-    long = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], standing_worker: WorkerProcess,
+        redis_url: str) -> None:
+    drain_timeout_s = 0.5
+    survivor = standing_worker
+    draining = new_worker("draining", drain_timeout_s=drain_timeout_s).start()
+    short = {"max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    long = {"max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(base_url=api_process.base_url, timeout=60) as client, \
             Redis.from_url(redis_url) as redis:
-        long_ids = [await submit(client, f"Long story {i}", **long) for i in range(4)]
-        await _wait_running_on(redis, long_ids, draining, count=4)
-        short_ids = [await submit(client, f"Short story {i}", **short) for i in range(4)]
-        await _wait_running_on(redis, short_ids, draining, count=4, min_events=1)
-        queued_id = await submit(client, "Never claimed by a draining worker", **short)
+        with frozen(survivor):  # the draining worker gets every job, and nobody takes one back before it exits
+            long_ids = [await submit(client, f"Long story {i}", **long) for i in range(4)]
+            await _wait_running_on(redis, long_ids, draining, count=4)
+            short_ids = [await submit(client, f"Short story {i}", **short) for i in range(4)]
+            await _wait_claimed(redis, short_ids, draining)  # they may be done already: 8 tokens are quick
+            queued_id = await submit(client, "Never claimed by a draining worker", **short)  # max_num_seqs is 8
 
-        signalled = time.monotonic()
-        draining.signal(signal.SIGTERM)
-        assert await asyncio.to_thread(draining.wait, drain_timeout_s + 10) == 0, draining.log_tail()
-        exit_s = time.monotonic() - signalled
-        # Handed back uncharged: queued again with no attempt counted, a restart event in the log.
-        for job_id in long_ids:
-            status, attempts = await redis.hmget(keys.job(job_id), "status", "attempts")
-            assert (status, attempts) == (b"queued", b"0"), job_id
-        standby.signal(signal.SIGCONT)
+            signalled = time.monotonic()
+            draining.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(draining.wait, drain_timeout_s + 20) == 0, draining.log_tail()
+            exit_s = time.monotonic() - signalled
+            for job_id in long_ids:  # handed back uncharged: queued again, no attempt counted
+                status, attempts = await redis.hmget(keys.job(job_id), "status", "attempts")
+                assert (status, attempts) == (b"queued", b"0"), job_id
         finals = {job_id: (await poll(client, job_id))[0] for job_id in [*long_ids, *short_ids, queued_id]}
         streams = [await follow(client, job_id) for job_id in long_ids]
 
-    assert exit_s < drain_timeout_s + 5, exit_s
+    # Exit within the drain timeout, plus process teardown (torch), which a loaded 2-core machine stretches.
+    assert exit_s < drain_timeout_s + 10, exit_s
     for job_id in short_ids:  # finished within the drain timeout, on the draining worker
         assert (finals[job_id]["status"], finals[job_id]["worker_id"]) == ("succeeded", draining.worker_id)
     for job_id, stream in zip(long_ids, streams, strict=True):
         job = finals[job_id]
-        assert (job["status"], job["worker_id"], job["attempts"]) == ("succeeded", standby.worker_id, 1), job
-        assert job["usage"]["completion_tokens"] == 900
+        assert (job["status"], job["worker_id"], job["attempts"]) == ("succeeded", survivor.worker_id, 1), job
+        assert job["usage"]["completion_tokens"] == LONG_TOKENS
         assert stream.kinds[0] == "restart" and stream.events[0][2]["attempt"] == 1  # a late reader: log trimmed
         assert_clean_stream(stream)
-    assert finals[queued_id]["worker_id"] == standby.worker_id
-    released = [e for e in worker_log(draining) if e["msg"].endswith("released back to the queue")]
+    assert finals[queued_id]["worker_id"] == survivor.worker_id
+    released = [e for e in worker_log(draining) if "job_id" in e and "released" in e["msg"]]
     assert sorted(e["job_id"] for e in released) == sorted(long_ids)
 
 
 async def test_competing_workers_and_a_zombie_never_complete_a_job_twice(
-        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], redis_url: str) -> None:
+        api_process: ApiProcess, new_worker: Callable[..., WorkerProcess], standing_worker: WorkerProcess,
+        redis_url: str) -> None:
     """40 jobs, two workers; one is frozen (SIGSTOP) past its lease while holding jobs, so they are reaped and
     rerun by the other, then thawed: its late writes carry a stale fence and must all be rejected."""
-    zombie, rival = start_workers([new_worker("race-w1"), new_worker("race-w2")])
+    zombie, rival = new_worker("zombie").start(), standing_worker
     body = {"max_tokens": 48, "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(base_url=api_process.base_url, timeout=60) as client, \
             Redis.from_url(redis_url) as redis:
         job_ids = [await submit(client, f"Race {i}", **body) for i in range(40)]
         await _wait_running_on(redis, job_ids, zombie, count=2, min_events=2)
-        zombie.signal(signal.SIGSTOP)
-        await asyncio.sleep(0.1)  # a script the zombie sent just before the signal still lands
-        frozen = await _running_on(redis, job_ids, zombie.worker_id, min_events=1)
-        assert frozen
-        await asyncio.sleep(2 + 1.5)  # the 2 s lease runs out; the rival's reaper requeues the frozen jobs
-        zombie.signal(signal.SIGCONT)
+        with frozen(zombie):
+            await asyncio.sleep(0.1)  # a script the zombie sent just before the signal still lands
+            held = await _running_on(redis, job_ids, zombie.worker_id, min_events=1)
+            assert held
+            await asyncio.sleep(2 + 1.5)  # its 2 s lease runs out; the rival's reaper requeues the jobs
         finals = {job_id: (await poll(client, job_id))[0] for job_id in job_ids}
         logs = {job_id: [e async for e in _log_events(redis, job_id)] for job_id in job_ids}
 
@@ -160,7 +165,9 @@ async def test_competing_workers_and_a_zombie_never_complete_a_job_twice(
     rejected = []
     for worker in (zombie, rival):
         for entry in worker_log(worker):
-            if entry["msg"] == f"job {entry.get('job_id')} finished":
+            if entry.get("job_id") not in finals:
+                continue  # the survivor's log holds earlier tests' jobs too
+            if entry["msg"] == f"job {entry['job_id']} finished":
                 accepted[entry["job_id"]] += 1
                 completed_by[entry["job_id"]] = worker.worker_id
             elif "lease lost" in entry["msg"]:
@@ -173,9 +180,9 @@ async def test_competing_workers_and_a_zombie_never_complete_a_job_twice(
         events = logs[job_id]
         assert [e["type"] for e in events].count("done") == 1
         assert "".join(e["text"] for e in events if e["type"] == "token") == job["text"]  # log trimmed at restart
-    for job_id in frozen:
-        assert (finals[job_id]["worker_id"], finals[job_id]["attempts"]) == (rival.worker_id, 2)
-    assert set(frozen) <= set(rejected), "the thawed zombie should have found its leases lost"
+    for job_id in held:  # rerun after the lease ran out: by the rival, or by the thawed zombie under a new fence
+        assert finals[job_id]["attempts"] == 2
+    assert rejected and set(rejected) <= set(held), "only the frozen jobs' leases were lost, and the zombie saw it"
     assert {zombie.worker_id, rival.worker_id} == set(completed_by.values()), "both workers should have served"
 
 
