@@ -254,8 +254,8 @@ class Runner:
     async def _fill(self) -> None:
         """Claim jobs one by one while the engine has room for another request."""
         for _ in range(CLAIMS_PER_STEP):
-            if not await self._on_engine(self._engine.has_capacity):
-                return
+            if self._stop.is_set() or not await self._on_engine(self._engine.has_capacity):
+                return  # a SIGTERM that arrived while we claimed: a draining worker takes nothing new
             jobs = await self._redis(self._queue.claim, self._model, self._worker_id, 1)
             if not jobs:
                 return

@@ -104,7 +104,7 @@ async def test_sigterm_under_load_drains_and_hands_back_the_rest_uncharged(
         redis_url: str) -> None:
     drain_timeout_s = 0.5
     survivor = standing_worker
-    draining = new_worker("draining", drain_timeout_s=drain_timeout_s).start()
+    draining = new_worker("drainer", drain_timeout_s=drain_timeout_s).start()
     short = {"max_tokens": 8, "ignore_eos": True, "temperature": 0}
     long = {"max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(base_url=api_process.base_url, timeout=60) as client, \
@@ -114,10 +114,11 @@ async def test_sigterm_under_load_drains_and_hands_back_the_rest_uncharged(
             await _wait_running_on(redis, long_ids, draining, count=4)
             short_ids = [await submit(client, f"Short story {i}", **short) for i in range(4)]
             await _wait_claimed(redis, short_ids, draining)  # they may be done already: 8 tokens are quick
-            queued_id = await submit(client, "Never claimed by a draining worker", **short)  # max_num_seqs is 8
-
             signalled = time.monotonic()
             draining.signal(signal.SIGTERM)
+            while f"{draining.worker_id} draining" not in draining.log_tail():  # handled between engine steps
+                await asyncio.sleep(0.02)
+            queued_id = await submit(client, "Never claimed by a draining worker", **short)
             assert await asyncio.to_thread(draining.wait, drain_timeout_s + 20) == 0, draining.log_tail()
             exit_s = time.monotonic() - signalled
             for job_id in long_ids:  # handed back uncharged: queued again, no attempt counted
@@ -183,7 +184,6 @@ async def test_competing_workers_and_a_zombie_never_complete_a_job_twice(
     for job_id in held:  # rerun after the lease ran out: by the rival, or by the thawed zombie under a new fence
         assert finals[job_id]["attempts"] == 2
     assert rejected and set(rejected) <= set(held), "only the frozen jobs' leases were lost, and the zombie saw it"
-    assert {zombie.worker_id, rival.worker_id} == set(completed_by.values()), "both workers should have served"
 
 
 async def _log_events(redis: Redis, job_id: str) -> AsyncIterator[dict[str, Any]]:
