@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from api.sse import wait_for_disconnect
 from shared.queue import JobQueue
 from shared.schemas import DoneEvent, ErrorEvent, JobRecord, JobSubmission, StreamEvent
 
@@ -122,12 +123,9 @@ async def run_until_disconnect(work: Callable[[], Awaitable[Any]], receive: Call
 
     async def watch() -> None:
         nonlocal disconnected
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                disconnected = True
-                task_group.cancel_scope.cancel()
-                return
+        await wait_for_disconnect(receive)
+        disconnected = True
+        task_group.cancel_scope.cancel()
 
     async with anyio.create_task_group() as task_group:
         task_group.start_soon(run_work)

@@ -33,6 +33,12 @@ def format_event(data: str | Mapping[str, Any], *, event: str | None = None, id:
     return ("\n".join(lines) + "\n\n").encode()
 
 
+async def wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
+    """Return once the client has gone (ASGI ``http.disconnect``); other messages are ignored."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class EventStreamResponse(Response):
     """A ``text/event-stream`` response fed by an async iterator of ready-framed bytes."""
 
@@ -84,12 +90,9 @@ class EventStreamResponse(Response):
 
         async def listen() -> None:
             nonlocal disconnected
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    disconnected = True
-                    task_group.cancel_scope.cancel()
-                    return
+            await wait_for_disconnect(receive)
+            disconnected = True
+            task_group.cancel_scope.cancel()
 
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(pump)
