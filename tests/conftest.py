@@ -1,6 +1,6 @@
 """Shared fixtures: a private redis-server, tiny random-weight models and the real SmolLM2.
 
-No fakeredis and no mocks: queue and API tests talk to a real ``redis-server`` started here on a free port.
+No in-memory Redis fakes and no mocks: queue and API tests talk to a real ``redis-server`` started here on a free port.
 """
 
 from __future__ import annotations
