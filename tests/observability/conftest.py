@@ -8,12 +8,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from redis.asyncio import Redis
 
 from shared.queue import JobQueue
 from shared.redis_server import RedisServer
 from tests.observability.helpers import ObservedWorker
-from tests.queue.queue_helpers import queue_settings
+from tests.queue.queue_helpers import worker_test_queue
 from tests.queue.worker_process import WorkerProcess
 
 
@@ -35,6 +34,5 @@ def observed_worker(redis_server: RedisServer, tiny_llama: Path,
 
 @pytest.fixture()
 async def queue(redis_url: str) -> AsyncIterator[JobQueue]:
-    client = Redis.from_url(redis_url)
-    yield JobQueue(client, queue_settings(redis_url, lease_ttl_s=2), poll_interval_s=0.5)
-    await client.aclose()
+    async with worker_test_queue(redis_url) as job_queue:
+        yield job_queue

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
+from redis.asyncio import Redis
+
 from shared.config import Settings
+from shared.queue import JobQueue
 from shared.schemas import JobSubmission, StreamEvent
 
 MODEL = "tiny"
@@ -25,6 +29,17 @@ def queue_settings(redis_url: str, **overrides: Any) -> Settings:
                               "max_attempts": 3, "result_ttl_s": 600, "max_queue_length": 100}
     values.update(overrides)
     return Settings(**values)
+
+
+@contextlib.asynccontextmanager
+async def worker_test_queue(redis_url: str) -> AsyncIterator[JobQueue]:
+    """The client side of tests that run real worker processes: 2 s leases (a loaded machine's heartbeats stay
+    well inside them) on a bytes client."""
+    client = Redis.from_url(redis_url)
+    try:
+        yield JobQueue(client, queue_settings(redis_url, lease_ttl_s=2), poll_interval_s=0.5)
+    finally:
+        await client.aclose()
 
 
 async def collect(stream: AsyncIterator[StreamEvent]) -> list[StreamEvent]:

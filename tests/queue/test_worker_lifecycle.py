@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from queue_helpers import make_job, queue_settings
-from redis.asyncio import Redis
+from queue_helpers import make_job, worker_test_queue
 from worker_process import WorkerProcess, client_text, read_all, read_first, wait_final, wait_tokens
 
 from shared.queue import JobQueue
@@ -27,9 +26,8 @@ LONG = GenerationParams(max_tokens=400, temperature=0, ignore_eos=True)
 
 @pytest.fixture()
 async def queue(redis_url: str) -> AsyncIterator[JobQueue]:
-    client = Redis.from_url(redis_url)
-    yield JobQueue(client, queue_settings(redis_url, lease_ttl_s=2), poll_interval_s=0.5)
-    await client.aclose()
+    async with worker_test_queue(redis_url) as job_queue:
+        yield job_queue
 
 
 async def test_sigterm_lets_running_jobs_finish_then_exits_0(tiny_llama: Path, queue: JobQueue, redis_url: str,

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from queue_helpers import make_job, queue_settings
-from redis.asyncio import Redis
+from queue_helpers import make_job, worker_test_queue
 from worker_process import WorkerProcess, client_text, read_all, wait_final, wait_tokens
 
 from shared import keys
@@ -41,9 +40,8 @@ def tiny_worker(redis_server: RedisServer, tiny_llama: Path,
 
 @pytest.fixture()
 async def queue(redis_url: str) -> AsyncIterator[JobQueue]:
-    client = Redis.from_url(redis_url)
-    yield JobQueue(client, queue_settings(redis_url, lease_ttl_s=2), poll_interval_s=0.5)
-    await client.aclose()
+    async with worker_test_queue(redis_url) as job_queue:
+        yield job_queue
 
 
 async def test_job_submitted_with_raw_redis_commands_is_completed(tiny_worker: WorkerProcess,
