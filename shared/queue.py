@@ -81,6 +81,10 @@ class RecoveredJob:
     status: str
 
 
+# The ``tokenspool_jobs_total`` event (docs/operations.md) of a job a reap or release left in each status; the API's
+# reaper and the worker's release count with it.
+JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS = {"queued": "retried", "failed": "dead_lettered", "cancelled": "cancelled"}
+
 # The lifecycle event (shared/lifecycle_log.py) of a job a reap or release left in each status.
 _REQUEUE_EVENTS: dict[str, LifecycleEvent] = {"queued": "requeued", "failed": "dead_lettered",
                                               "cancelled": "cancelled"}

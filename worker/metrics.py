@@ -12,6 +12,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from shared.queue import JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS
 from worker.engine.outputs import EngineStats
 
 # Latencies that include queueing: milliseconds on a GPU, up to minutes for a deep queue on a CPU.
@@ -23,8 +24,6 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 # Job transitions a worker performs (label ``event`` of tokenspool_jobs_total).
 JOB_EVENTS = ("completed", "failed", "cancelled", "retried", "dead_lettered")
-# The queue's resulting job status after a release or a reap, as a jobs_total event.
-EVENT_OF_STATUS = {"queued": "retried", "failed": "dead_lettered", "cancelled": "cancelled"}
 # Our counter (attribute) fed by each cumulative EngineStats field.
 ENGINE_COUNTERS = (("preemptions", "num_preemptions"), ("prefix_queries", "prefix_cache_queries"),
                    ("prefix_hits", "prefix_cache_hits"), ("draft_tokens", "num_draft_tokens"),
@@ -123,7 +122,7 @@ class WorkerMetrics:
 
     def on_requeue_status(self, status: str) -> None:
         """A release or reap left the job ``status`` (queued, failed = dead-lettered, or cancelled)."""
-        self.on_job_event(EVENT_OF_STATUS[status])
+        self.on_job_event(JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS[status])
 
     # --- engine hooks (engine thread, or any thread) -----------------------------------------------------
 
