@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--workloads", default="mixed,shared_prefix,long")
-    parser.add_argument("--systems", default="naive,hf_cb,engine,engine_no_prefix_cache,engine_int8")
+    parser.add_argument("--systems", default="naive,hf_cb,engine,engine_no_prefix_cache,engine_no_cascade,engine_int8")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests, for a smoke run")
     parser.add_argument("--scale", type=float, default=None, help="request-count scale (overrides --quick)")
     parser.add_argument("--threads", type=int, default=None,
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, Callable[[], object]] = {
         "engine": lambda: Engine(EngineConfig(**common, enable_prefix_caching=True)),
         "engine_no_prefix_cache": lambda: Engine(EngineConfig(**common, enable_prefix_caching=False)),
+        "engine_no_cascade": lambda: Engine(EngineConfig(**common, cascade_attention=False)),
         "engine_int8": lambda: Engine(EngineConfig(**common, quantization="int8")),
     }
     systems = args.systems.split(",")
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens = sum(len(r.prompt) for r in reqs)
         output_tokens = sum(r.max_tokens for r in reqs)
         for system in systems:
-            if system == "engine_no_prefix_cache" and workload != "shared_prefix":
+            if system in ("engine_no_prefix_cache", "engine_no_cascade") and workload != "shared_prefix":
                 continue
             if system == "engine_int8" and workload != "mixed":
                 continue
@@ -271,7 +272,7 @@ def build_report(results, efficiency, rate, config, args) -> dict:
     for (system, workload), r in by_key.items():
         if system != "engine":
             continue
-        for base in ("naive", "hf_cb", "engine_no_prefix_cache"):
+        for base in ("naive", "hf_cb", "engine_no_prefix_cache", "engine_no_cascade"):
             if (base, workload) in by_key:
                 ratios[f"{workload}: engine / {base}"] = r.output_tps / by_key[(base, workload)].output_tps
         if ("engine_int8", workload) in by_key:

@@ -119,13 +119,3 @@ def parse_sse(raw: str) -> list[dict[str, str]]:
         if fields:
             events.append(fields)
     return events
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The test-only FakeWorker's pub/sub connection can be garbage-collected unclosed when its cancel loop is
-    cancelled mid-read (redis-py loses that cancellation now and then); the resulting ResourceWarning is about the
-    fake, not the API, so it must not fail API tests. Everything else stays an error."""
-    ignore = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-    for item in items:
-        if "tests/api/" in str(item.path):
-            item.add_marker(ignore)

@@ -78,6 +78,23 @@ def expected_text(source: str, max_tokens: int, index: int = 0, stop: tuple[str,
     return text
 
 
+async def _cancel_until_done(tasks: set[asyncio.Task[None]], attempts: int = 50) -> None:
+    """Cancel ``tasks`` and wait for them, re-cancelling the stragglers.
+
+    redis-py can swallow a CancelledError that lands mid-command, so one ``cancel()`` does not reliably end a
+    loop that keeps calling Redis; a task left pending when the loop closes never runs its ``finally`` (the
+    control channel's pub/sub connection would then be garbage-collected unclosed).
+    """
+    pending = set(tasks)
+    for _ in range(attempts):
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+    raise RuntimeError(f"{len(pending)} fake-worker tasks ignored {attempts} cancellations")
+
+
 class FakeWorker:
     """Claims jobs of ``model`` and streams ``expected_text`` at ``token_delay_s`` per token."""
 
@@ -120,11 +137,7 @@ class FakeWorker:
         tasks = {asyncio.create_task(self._claim_loop(queue)), asyncio.create_task(self._cancel_loop(queue)),
                  asyncio.create_task(self._heartbeat_loop(queue))}
         await self._stop.wait()
-        # The loops watch the stop flag: redis-py can swallow a CancelledError that lands mid-command, so
-        # cancellation alone does not reliably end a loop that keeps calling Redis.
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks | self._running, timeout=1)
+        await _cancel_until_done(tasks | self._running)
         await queue.deregister_worker(self.worker_id)
         await client.aclose()
 

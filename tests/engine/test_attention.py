@@ -10,10 +10,10 @@ from worker.engine.attention import (
     PagedContext,
     paged_attention_forward,
     prepare_prefill_chunk,
-    prepare_single_token_mask,
 )
 from worker.engine.config import EnginePlan, ModelShape
-from worker.engine.kv_cache import KVCache, prepare_block_tables, prepare_slot_mapping
+from worker.engine.decode_attention import prepare_decode_batch
+from worker.engine.kv_cache import KVCache, prepare_slot_mapping
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
@@ -53,10 +53,8 @@ def test_mixed_step_matches_full_causal_attention() -> None:
         if n - cached > 1:
             prefills.append(prepare_prefill_chunk(offset, cached, n - cached, torch.tensor([blocks])))
         offset += n - cached
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), single_token_idx=torch.tensor([0]),
-        single_block_tables=prepare_block_tables([requests[0][2]], torch.device("cpu")),
-        single_key_mask=prepare_single_token_mask(torch.tensor([9]), 3 * BLOCK), prefills=tuple(prefills))
+    decode = prepare_decode_batch([0], [requests[0][2]], [9], BLOCK, torch.device("cpu"), share_prefix=True)
+    metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), decode=decode, prefills=tuple(prefills))
     query = torch.cat(q_new).transpose(0, 1)[None]  # [1, H, T, D]
     key, value = torch.cat(k_new).transpose(0, 1)[None], torch.cat(v_new).transpose(0, 1)[None]
     out, _ = paged_attention_forward(FakeAttentionModule(), query, key, value, None, scaling=DIM ** -0.5,

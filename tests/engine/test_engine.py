@@ -83,7 +83,10 @@ def test_abort_frees_blocks_and_silences_the_request(engine: Engine) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine: Engine, tiny_llama: Path) -> None:
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    # top_k keeps the candidates few: attention over differently padded batches may differ in the last bit
+    # (not batch-invariant, as in other engines), and with a random model's near-uniform distribution over the
+    # whole vocabulary such a bit can move a sampling boundary; over 8 candidates it practically cannot.
+    params = SamplingParams(temperature=1.0, top_k=8, seed=1234, max_tokens=20, ignore_eos=True)
     alone, _, _ = run_one(engine, params)
     assert len(set(alone)) > 1
     # Same request in a crowd, in an engine so small that it gets preempted and recomputed.

@@ -5,8 +5,8 @@ explicit positions. In each layer the model hands us that sequence's Q/K/V; we w
 pool at the slot mapping, then attend each query token to *its own request's* cached keys, causally.
 
 Two groups, each vectorised:
-- single-token queries (decodes, and 1-token prefill chunks): one batched SDPA over gathered block tables,
-  with a key-length mask;
+- single-token queries (decodes, and 1-token prefill chunks): ``decode_attention.py``, batched, with a prefix
+  shared by the whole batch attended once (cascade attention);
 - multi-token prefill chunks: one SDPA per chunk (a step has few, because of the token budget), causal, with an
   offset mask when earlier chunks of the same prompt are already cached.
 
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from worker.engine.decode_attention import DecodeBatch, attend_decode
 from worker.engine.kv_cache import KVCache
 
 PAGED_ATTENTION_NAME = "tokenspool_paged"
@@ -43,9 +44,7 @@ class AttentionMetadata:
     """Index tensors for one step, built once and reused by every layer."""
 
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
-    single_token_idx: torch.Tensor | None  # [Bs] flat indices of single-token queries
-    single_block_tables: torch.Tensor | None  # [Bs, max_blocks]
-    single_key_mask: torch.Tensor | None  # [Bs, 1, 1, max_blocks * block_size] bool: key position < context length
+    decode: DecodeBatch | None  # the single-token queries, None when the step has none
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -67,27 +66,6 @@ def prepare_prefill_chunk(token_start: int, start_position: int, num_tokens: int
         key_pos = torch.arange(context_len, device=block_table.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [chunk_len, context_len]
     return PrefillChunk(token_start, token_start + num_tokens, block_table, context_len, mask)
-
-
-def prepare_single_token_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
-    """``context_lens``: [Bs] -> [Bs, 1, 1, width] bool, true for real (non-padding) keys."""
-    key_pos = torch.arange(width, device=context_lens.device)
-    return (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
-
-
-def _attend_single_tokens(layer: int, query: torch.Tensor, ctx: PagedContext, scaling: float) -> torch.Tensor:
-    """``query``: [T, H, D]; returns [Bs, H, D] for the single-token queries."""
-    meta = ctx.metadata
-    assert meta.single_token_idx is not None and meta.single_block_tables is not None
-    keys, values = ctx.kv_cache.gather(layer, meta.single_block_tables)  # [Bs, L, kvh, D]
-    num_seqs, num_heads, head_dim = len(meta.single_token_idx), query.shape[1], query.shape[2]
-    num_kv_heads = keys.shape[2]
-    # GQA without expanding K/V: the query heads sharing a kv head become that head's queries ("tokens"), all at
-    # the same position, so one key mask serves them; heads are grouped consecutively as repeat_kv assumes.
-    q = query[meta.single_token_idx].view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-                                         attn_mask=meta.single_key_mask, scale=scaling)  # [Bs, kvh, group, D]
-    return out.reshape(num_seqs, num_heads, head_dim)  # [Bs, H, D]
 
 
 def _attend_prefill(layer: int, query: torch.Tensor, chunk: PrefillChunk, ctx: PagedContext,
@@ -118,8 +96,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     paged_context.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
-    if meta.single_token_idx is not None:
-        out[meta.single_token_idx] = _attend_single_tokens(layer, q, paged_context, scale)
+    if meta.decode is not None:
+        attend_decode(layer, q, meta.decode, paged_context.kv_cache, scale, out)
     for chunk in meta.prefills:
         out[chunk.token_start:chunk.token_end] = _attend_prefill(layer, q, chunk, paged_context, scale)
     return out.unsqueeze(0), None  # [1, T, H, D]

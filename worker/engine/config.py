@@ -35,6 +35,8 @@ class EngineConfig:
     ``max_num_batched_tokens``: the token budget of one forward pass; longer prompts are prefilled in chunks.
     ``device``/``dtype``: None picks cuda if available, else cpu; bfloat16 on CUDA, float32 on CPU.
     ``enable_prefix_caching``: reuse the K/V of full blocks whose token prefix was computed before (on by default).
+    ``cascade_attention``: decode queries attend to the block-table prefix the whole batch shares (a system prompt
+    found by prefix caching) once, in one matmul, instead of once per sequence (exact; docs/performance.md).
     ``num_threads``: torch intra-op threads, set (process-wide) when the engine is built; None leaves torch's
     setting alone (its default is the physical cores). Use at most the cores this process really has to itself:
     oversubscribed cores make torch's threads spin at barriers (docs/performance.md).
@@ -56,6 +58,7 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None
     enable_prefix_caching: bool = True
+    cascade_attention: bool = True
     speculative_method: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 4

@@ -22,6 +22,7 @@ class KVCache:
     def __init__(self, shape: ModelShape, plan: EnginePlan) -> None:
         self.block_size = plan.block_size
         self.num_blocks = plan.num_kv_blocks
+        self.num_kv_heads = shape.num_kv_heads
         dims = (plan.num_kv_blocks, plan.block_size, shape.num_kv_heads, shape.head_dim)
         # keys[layer], values[layer]: [num_blocks, block_size, kv_heads, head_dim]
         self.keys = [torch.zeros(dims, dtype=plan.dtype, device=plan.device) for _ in range(shape.num_layers)]

@@ -19,11 +19,11 @@ from worker.engine.attention import (
     AttentionMetadata,
     PagedContext,
     prepare_prefill_chunk,
-    prepare_single_token_mask,
     register_paged_attention,
 )
 from worker.engine.config import EngineConfig, EnginePlan, ModelShape, make_plan, pick_device, pick_dtype
-from worker.engine.kv_cache import KVCache, prepare_block_tables, prepare_slot_mapping
+from worker.engine.decode_attention import prepare_decode_batch
+from worker.engine.kv_cache import KVCache, prepare_slot_mapping
 from worker.engine.quantization import quantize_linears_int8
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -64,6 +64,7 @@ class ModelRunner:
         self.shape = model_shape(self.model.config)
         self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
         self.kv_cache = KVCache(self.shape, self.plan)
+        self.cascade_attention = config.cascade_attention
         log.info("model loaded: folder=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
                  folder, device, dtype, self.plan.num_kv_blocks, self.plan.block_size, self.plan.max_model_len)
 
@@ -109,17 +110,12 @@ class ModelRunner:
             else:
                 table = torch.tensor([chunk.block_ids], dtype=torch.long, device=device)
                 prefills.append(prepare_prefill_chunk(offset, start, num, table))
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            single_token_idx=torch.tensor(single_idx, dtype=torch.long, device=device) if single_idx else None,
-            single_block_tables=prepare_block_tables(single_tables, device) if single_idx else None,
-            single_key_mask=self._single_mask(single_tables, single_lens) if single_idx else None,
-            prefills=tuple(prefills),
-        )
+        decode = None
+        if single_idx:
+            decode = prepare_decode_batch(single_idx, single_tables, single_lens, block_size, device,
+                                          share_prefix=self.cascade_attention)
+        metadata = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                                     decode=decode, prefills=tuple(prefills))
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         return input_ids, position_ids, metadata, torch.tensor(logits_indices, dtype=torch.long, device=device)
-
-    def _single_mask(self, tables: list[tuple[int, ...]], context_lens: list[int]) -> torch.Tensor:
-        width = max(len(t) for t in tables) * self.plan.block_size
-        return prepare_single_token_mask(torch.tensor(context_lens, dtype=torch.long, device=self.device), width)

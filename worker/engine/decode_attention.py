@@ -1,0 +1,162 @@
+"""Attention for single-token queries (decodes), batched, with shared prefixes attended once (cascade attention).
+
+After the matmuls, a CPU decode step's cost is reading every sequence's K/V: stock torch has no kernel that reads
+a paged cache in place, so each layer gathers every block table into a contiguous tensor. When sequences share a
+prefix (a system prompt, which prefix caching maps to the same block ids at the start of their tables) that
+gather copied the same blocks once per sequence, and attention over them ran as many thin per-sequence products.
+
+So the decode queries are split into groups. A *cascade group* is a set of sequences whose tables start with the
+same blocks: those shared blocks are gathered once, and all the group's queries meet them in one matmul per KV
+head; only each sequence's own suffix is gathered per sequence. The two parts' scores go through one softmax, so
+this is exact attention, not an approximation. Everything else forms one *plain group*, attended with a single
+``scaled_dot_product_attention`` and a key-length mask. Groups are disjoint, so each group's tensors are only as
+wide as its own longest table.
+
+Cascade scores are explicit matmuls because one softmax must span both parts and SDPA does not return its
+log-sum-exp; the per-sequence part is short there, so the explicit version costs little.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.kv_cache import KVCache, prepare_block_tables
+
+# A cascade group pays for itself when it saves gathering this many tokens' K/V per layer (shared tokens times
+# members beyond the first); below that, its extra per-layer kernel launches cost more than the copy it avoids.
+MIN_SHARED_TOKENS_SAVED = 1024
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode queries attended together, and the blocks they read."""
+
+    token_idx: torch.Tensor  # [Bg] flat indices of the queries in the step's token sequence
+    shared_block_ids: torch.Tensor | None  # [P] blocks every table in the group starts with; None: plain group
+    block_tables: torch.Tensor  # [Bg, max_blocks - P] each sequence's own blocks, right-padded
+    key_mask: torch.Tensor  # [Bg, 1, 1, (max_blocks - P) * block_size] bool: true for real keys
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """All single-token queries of one step, as disjoint groups."""
+
+    groups: tuple[DecodeGroup, ...]
+
+
+def num_shared_blocks(tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int) -> int:
+    """Leading block ids common to every table, excluding each sequence's newest block.
+
+    Shared blocks are full, immutable cached blocks; the block a sequence writes this step is its own (the
+    scheduler copies on write), so capping at the block before the newest token keeps at least one key in every
+    sequence's own part and never treats a block being written as shared.
+    """
+    if len(tables) < 2:
+        return 0
+    limit = min(min((n - 1) // block_size for n in context_lens), min(len(t) for t in tables))
+    first = tables[0]
+    for i in range(limit):
+        if any(t[i] != first[i] for t in tables):
+            return i
+    return limit
+
+
+def plan_decode_groups(tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int,
+                       min_tokens_saved: int) -> list[tuple[list[int], int]]:
+    """Partition decode rows into ``(rows, num_shared_blocks)``; the plain group (0 shared blocks) comes last.
+
+    Candidates are rows with the same first block; a candidate becomes a cascade group when sharing saves at
+    least ``min_tokens_saved`` gathered tokens, otherwise its rows join the plain group.
+    """
+    by_first_block: dict[int, list[int]] = defaultdict(list)
+    for row, table in enumerate(tables):
+        by_first_block[table[0]].append(row)
+    groups: list[tuple[list[int], int]] = []
+    plain: list[int] = []
+    for rows in by_first_block.values():
+        shared = num_shared_blocks([tables[r] for r in rows], [context_lens[r] for r in rows], block_size)
+        if shared * block_size * (len(rows) - 1) >= min_tokens_saved:
+            groups.append((rows, shared))
+        else:
+            plain.extend(rows)
+    if plain:
+        groups.append((sorted(plain), 0))
+    return groups
+
+
+def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int]], context_lens: Sequence[int],
+                         block_size: int, device: torch.device, share_prefix: bool,
+                         min_tokens_saved: int = MIN_SHARED_TOKENS_SAVED) -> DecodeBatch:
+    """Index tensors for the decode queries; ``share_prefix`` enables cascade groups over common blocks."""
+    if share_prefix:
+        plan = plan_decode_groups(tables, context_lens, block_size, min_tokens_saved)
+    else:
+        plan = [(list(range(len(tables))), 0)]
+    groups = []
+    for rows, num_shared in plan:
+        own_tables = [tables[r][num_shared:] for r in rows]
+        own_lens = torch.tensor([context_lens[r] - num_shared * block_size for r in rows], device=device)
+        width = max(len(t) for t in own_tables) * block_size
+        shared = torch.tensor(tables[rows[0]][:num_shared], dtype=torch.long, device=device) if num_shared else None
+        groups.append(DecodeGroup(
+            token_idx=torch.tensor([token_idx[r] for r in rows], dtype=torch.long, device=device),
+            shared_block_ids=shared,
+            block_tables=prepare_block_tables(own_tables, device),
+            key_mask=(torch.arange(width, device=device)[None, :] < own_lens[:, None])[:, None, None, :],
+        ))
+    return DecodeBatch(tuple(groups))
+
+
+def attend_decode(layer: int, query: torch.Tensor, batch: DecodeBatch, kv_cache: KVCache, scale: float,
+                  out: torch.Tensor) -> None:
+    """Write the decode queries' attention into ``out``. ``query`` and ``out``: [T, H, D], the whole step."""
+    for group in batch.groups:
+        out[group.token_idx] = _attend_group(layer, query, group, kv_cache, scale)
+
+
+def _attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache: KVCache,
+                  scale: float) -> torch.Tensor:
+    """``query``: [T, H, D]; returns [Bg, H, D]."""
+    num_seqs, num_heads, head_dim = len(group.token_idx), query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.num_kv_heads
+    # GQA without expanding K/V: the g query heads sharing a KV head act as that head's queries, grouped
+    # consecutively as transformers' repeat_kv assumes.
+    q = query[group.token_idx].view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bg, kvh, g, D]
+    keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
+    # A transposed view, not a copy: the fused CPU kernel reads strided K/V faster than a contiguous copy costs.
+    keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)  # [Bg, kvh, S, D]
+    if group.shared_block_ids is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.key_mask, scale=scale)
+    else:
+        out = _attend_cascade(layer, q, keys, values, group, kv_cache, scale)
+    return out.reshape(num_seqs, num_heads, head_dim)  # out: [Bg, kvh, g, D]
+
+
+def _attend_cascade(layer: int, q: torch.Tensor, own_keys: torch.Tensor, own_values: torch.Tensor,
+                    group: DecodeGroup, kv_cache: KVCache, scale: float) -> torch.Tensor:
+    """One softmax over [shared prefix keys | own keys]; the shared part is one matmul per KV head for all queries.
+
+    ``q``: [Bg, kvh, g, D]; ``own_keys``/``own_values``: [Bg, kvh, S, D]. Returns [Bg, kvh, g, D].
+    """
+    assert group.shared_block_ids is not None
+    num_seqs, num_kv_heads, num_q_per_kv, head_dim = q.shape
+    rows = num_seqs * num_q_per_kv
+    own_scores = torch.matmul(q, own_keys.transpose(-1, -2)).mul_(scale)  # [Bg, kvh, g, S]
+    own_scores.masked_fill_(~group.key_mask, float("-inf"))
+    shared_keys, shared_values = kv_cache.gather(layer, group.shared_block_ids[None])  # [1, P, kvh, D]
+    shared_keys = shared_keys[0].permute(1, 2, 0).to(q.dtype)  # [kvh, D, P]
+    shared_values = shared_values[0].transpose(0, 1).to(q.dtype)  # [kvh, P, D]
+    num_prefix = shared_keys.shape[-1]
+    q_by_head = q.transpose(0, 1).reshape(num_kv_heads, rows, head_dim)  # [kvh, Bg*g, D]
+    shared_scores = torch.bmm(q_by_head, shared_keys).mul_(scale)  # [kvh, Bg*g, P]
+    shared_scores = shared_scores.view(num_kv_heads, num_seqs, num_q_per_kv, num_prefix).transpose(0, 1)
+    probs = torch.cat([shared_scores, own_scores], dim=-1).softmax(-1)  # [Bg, kvh, g, P + S]
+    out = torch.matmul(probs[..., num_prefix:], own_values)  # [Bg, kvh, g, D]
+    shared_probs = probs[..., :num_prefix].transpose(0, 1).reshape(num_kv_heads, rows, num_prefix)
+    shared_out = torch.bmm(shared_probs, shared_values)  # [kvh, Bg*g, D]
+    return out.add_(shared_out.view(num_kv_heads, num_seqs, num_q_per_kv, head_dim).transpose(0, 1))
