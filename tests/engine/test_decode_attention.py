@@ -13,7 +13,13 @@ from transformers import AutoModelForCausalLM
 from tests.engine.helpers import Run, drain, reference_greedy
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.config import EnginePlan, ModelShape
-from worker.engine.decode_attention import attend_decode, num_shared_blocks, plan_decode_groups, prepare_decode_batch
+from worker.engine.decode_attention import (
+    attend_decode,
+    num_shared_blocks,
+    plan_decode_groups,
+    prepare_decode_batch,
+    split_by_length,
+)
 from worker.engine.kv_cache import KVCache, prepare_slot_mapping
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
@@ -40,6 +46,15 @@ def test_groups_form_where_sharing_saves_enough() -> None:
     assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=4) == [([0, 2], 2), ([1, 4], 1), ([3], 0)]
     assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=8) == [([0, 2], 2), ([1, 3, 4], 0)]
     assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=9) == [([0, 1, 2, 3, 4], 0)]
+
+
+def test_rows_are_bucketed_where_padding_costs_more_than_a_group() -> None:
+    widths = [512, 16, 512, 16, 32]
+    # One group: 5 x 512 + 400 = 2960; short rows apart: 3 x 32 + 400 + 2 x 512 + 400 = 1920.
+    assert split_by_length(range(5), widths, group_cost=400) == [[1, 3, 4], [0, 2]]
+    assert split_by_length(range(5), widths, group_cost=2000) == [[0, 1, 2, 3, 4]]
+    assert split_by_length([0, 2], widths, group_cost=0) == [[0, 2]]  # equal widths never split
+    assert split_by_length(range(5), widths, group_cost=0) == [[1, 3], [4], [0, 2]]
 
 
 def test_prepare_splits_tables_and_masks_own_keys() -> None:

@@ -8,9 +8,11 @@ gather copied the same blocks once per sequence, and attention over them ran as 
 So the decode queries are split into groups. A *cascade group* is a set of sequences whose tables start with the
 same blocks: those shared blocks are gathered once, and all the group's queries meet them in one matmul per KV
 head; only each sequence's own suffix is gathered per sequence. The two parts' scores go through one softmax, so
-this is exact attention, not an approximation. Everything else forms one *plain group*, attended with a single
-``scaled_dot_product_attention`` and a key-length mask. Groups are disjoint, so each group's tensors are only as
-wide as its own longest table.
+this is exact attention, not an approximation. Everything else forms *plain groups*, each attended with a single
+``scaled_dot_product_attention`` and a key-length mask. A batched gather pads every table to the group's longest,
+so plain rows are bucketed by length (a short prompt beside a long one no longer reads the long one's width of
+padding); each bucket costs a few kernel launches per layer, so buckets are cut only where the padding they save
+outweighs that (``split_by_length``).
 
 Cascade scores are explicit matmuls because one softmax must span both parts and SDPA does not return its
 log-sum-exp; the per-sequence part is short there, so the explicit version costs little.
@@ -30,6 +32,9 @@ from worker.engine.kv_cache import KVCache, prepare_block_tables
 # A cascade group pays for itself when it saves gathering this many tokens' K/V per layer (shared tokens times
 # members beyond the first); below that, its extra per-layer kernel launches cost more than the copy it avoids.
 MIN_SHARED_TOKENS_SAVED = 1024
+# What one more group costs per layer (its gather and attention launches), in gathered tokens: ~100 us of fixed
+# cost against ~0.25 us per gathered token of SmolLM2's K/V on the development CPU (docs/performance.md).
+GROUP_COST_TOKENS = 400
 
 
 @dataclass(frozen=True)
@@ -66,12 +71,32 @@ def num_shared_blocks(tables: Sequence[Sequence[int]], context_lens: Sequence[in
     return limit
 
 
+def split_by_length(rows: Sequence[int], widths: Sequence[int], group_cost: int) -> list[list[int]]:
+    """Cut ``rows`` into groups minimising ``sum(len(group) * max width in group) + group_cost * num_groups``.
+
+    ``widths[r]`` is row ``r``'s padded width (tokens). Optimal over contiguous runs of the rows sorted by width
+    (an optimal grouping never interleaves widths); O(n^2) for n rows, a few thousand steps at n = 64.
+    """
+    ordered = sorted(rows, key=lambda r: widths[r])
+    best = [0] * (len(ordered) + 1)  # best[j]: cost of grouping the j narrowest rows
+    cut = [0] * (len(ordered) + 1)  # cut[j]: where the last group of that best grouping starts
+    for j in range(1, len(ordered) + 1):
+        width = widths[ordered[j - 1]]
+        best[j], cut[j] = min((best[i] + (j - i) * width + group_cost, i) for i in range(j))
+    groups: list[list[int]] = []
+    j = len(ordered)
+    while j > 0:
+        groups.append(sorted(ordered[cut[j]:j]))
+        j = cut[j]
+    return groups[::-1]
+
+
 def plan_decode_groups(tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int,
-                       min_tokens_saved: int) -> list[tuple[list[int], int]]:
-    """Partition decode rows into ``(rows, num_shared_blocks)``; the plain group (0 shared blocks) comes last.
+                       min_tokens_saved: int, group_cost: int = GROUP_COST_TOKENS) -> list[tuple[list[int], int]]:
+    """Partition decode rows into ``(rows, num_shared_blocks)``; plain groups (0 shared blocks) come last.
 
     Candidates are rows with the same first block; a candidate becomes a cascade group when sharing saves at
-    least ``min_tokens_saved`` gathered tokens, otherwise its rows join the plain group.
+    least ``min_tokens_saved`` gathered tokens, otherwise its rows are plain. Plain rows are bucketed by length.
     """
     by_first_block: dict[int, list[int]] = defaultdict(list)
     for row, table in enumerate(tables):
@@ -84,8 +109,8 @@ def plan_decode_groups(tables: Sequence[Sequence[int]], context_lens: Sequence[i
             groups.append((rows, shared))
         else:
             plain.extend(rows)
-    if plain:
-        groups.append((sorted(plain), 0))
+    widths = [len(t) * block_size for t in tables]
+    groups += [(rows, 0) for rows in split_by_length(plain, widths, group_cost)]
     return groups
 
 
@@ -96,7 +121,8 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
     if share_prefix:
         plan = plan_decode_groups(tables, context_lens, block_size, min_tokens_saved)
     else:
-        plan = [(list(range(len(tables))), 0)]
+        widths = [len(t) * block_size for t in tables]
+        plan = [(rows, 0) for rows in split_by_length(range(len(tables)), widths, GROUP_COST_TOKENS)]
     groups = []
     for rows, num_shared in plan:
         own_tables = [tables[r][num_shared:] for r in rows]

@@ -23,6 +23,7 @@ from worker.engine.attention import (
 )
 from worker.engine.config import EngineConfig, EnginePlan, ModelShape, make_plan, pick_device, pick_dtype
 from worker.engine.decode_attention import prepare_decode_batch
+from worker.engine.host_memory import keep_freed_memory_for_reuse
 from worker.engine.kv_cache import KVCache, prepare_slot_mapping
 from worker.engine.quantization import quantize_linears_int8
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -52,6 +53,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)  # process-wide: torch has no per-model thread pool
         device = pick_device(config)
         dtype = pick_dtype(config, device)
+        if device.type == "cpu":
+            keep_freed_memory_for_reuse()  # process-wide, like the thread count: step temporaries stay mapped
         attn_name = register_paged_attention()
         self.model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=attn_name)
