@@ -206,9 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from worker.engine import Engine, EngineConfig
-    from worker.models import resolve_model
-
     from worker.engine.host_memory import keep_freed_memory_for_reuse
+    from worker.models import resolve_model
 
     torch.manual_seed(0)
     # The engine applies these allocator settings when it is built; apply them first, so that every system in
