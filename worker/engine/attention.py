@@ -5,8 +5,8 @@ explicit positions. In each layer the model hands us that sequence's Q/K/V; we w
 pool at the slot mapping, then attend each query token to *its own request's* cached keys, causally.
 
 Two groups, each vectorised:
-- single-token queries (decodes, and 1-token prefill chunks): ``decode_attention.py``, batched, with a prefix
-  shared by the whole batch attended once (cascade attention);
+- single-token queries (decodes, and 1-token prefill chunks): ``decode_attention.py``, in groups: sequences
+  sharing cached prefix blocks attend to them once (cascade attention), the rest in length buckets;
 - multi-token prefill chunks: one SDPA per chunk (a step has few, because of the token budget), causal, with an
   offset mask when earlier chunks of the same prompt are already cached.
 

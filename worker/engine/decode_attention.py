@@ -20,6 +20,7 @@ log-sum-exp; the per-sequence part is short there, so the explicit version costs
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,11 +93,12 @@ def split_by_length(rows: Sequence[int], widths: Sequence[int], group_cost: int)
 
 
 def plan_decode_groups(tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int,
-                       min_tokens_saved: int, group_cost: int = GROUP_COST_TOKENS) -> list[tuple[list[int], int]]:
+                       min_tokens_saved: float, group_cost: int = GROUP_COST_TOKENS) -> list[tuple[list[int], int]]:
     """Partition decode rows into ``(rows, num_shared_blocks)``; plain groups (0 shared blocks) come last.
 
     Candidates are rows with the same first block; a candidate becomes a cascade group when sharing saves at
-    least ``min_tokens_saved`` gathered tokens, otherwise its rows are plain. Plain rows are bucketed by length.
+    least ``min_tokens_saved`` gathered tokens (``math.inf``: never), otherwise its rows are plain. Plain rows are
+    bucketed by length.
     """
     by_first_block: dict[int, list[int]] = defaultdict(list)
     for row, table in enumerate(tables):
@@ -118,11 +120,7 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
                          block_size: int, device: torch.device, share_prefix: bool,
                          min_tokens_saved: int = MIN_SHARED_TOKENS_SAVED) -> DecodeBatch:
     """Index tensors for the decode queries; ``share_prefix`` enables cascade groups over common blocks."""
-    if share_prefix:
-        plan = plan_decode_groups(tables, context_lens, block_size, min_tokens_saved)
-    else:
-        widths = [len(t) * block_size for t in tables]
-        plan = [(rows, 0) for rows in split_by_length(range(len(tables)), widths, GROUP_COST_TOKENS)]
+    plan = plan_decode_groups(tables, context_lens, block_size, min_tokens_saved if share_prefix else math.inf)
     groups = []
     for rows, num_shared in plan:
         own_tables = [tables[r][num_shared:] for r in rows]
