@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -26,6 +27,19 @@ async def _wait_events(redis: Redis, job_id: str, count: int, timeout_s: float =
         await asyncio.sleep(0.02)
 
 
+Polled = asyncio.Task[tuple[dict[str, Any], int]]  # a poll() task: the final job record and the polls it took
+
+
+async def _start_clients(client: httpx.AsyncClient, title: str, num_jobs: int, body: dict[str, Any]
+                         ) -> tuple[list[str], list[asyncio.Task[Stream]], list[Polled]]:
+    """Submit ``num_jobs`` jobs; the first half are followed over SSE, the second half polled by id."""
+    job_ids = [await submit(client, f"{title} {i}", **body) for i in range(num_jobs)]
+    half = num_jobs // 2
+    streamed = [asyncio.create_task(follow(client, job_id)) for job_id in job_ids[:half]]
+    polled = [asyncio.create_task(poll(client, job_id)) for job_id in job_ids[half:]]
+    return job_ids, streamed, polled
+
+
 def _check_streams(streams: list[Stream], max_tokens: int) -> None:
     for stream in streams:
         assert_clean_stream(stream)
@@ -38,9 +52,7 @@ async def test_redis_restart_mid_run_api_and_workers_reconnect_and_nothing_is_lo
     body = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(base_url=api_process.base_url, timeout=30) as client:
         # 12 jobs for a worker that runs 8 at a time: some are running and some queued when Redis goes away.
-        job_ids = [await submit(client, f"Chapter {i}", **body) for i in range(12)]
-        streamed = [asyncio.create_task(follow(client, job_id)) for job_id in job_ids[:6]]
-        polled = [asyncio.create_task(poll(client, job_id)) for job_id in job_ids[6:]]
+        job_ids, streamed, polled = await _start_clients(client, "Chapter", 12, body)
         async with Redis.from_url(redis_url) as redis:
             await _wait_events(redis, job_ids[0], 5)
         await asyncio.to_thread(redis_server.restart)  # SIGTERM: the AOF is flushed; same port, same data
@@ -63,9 +75,7 @@ async def test_api_restart_clients_resume_with_last_event_id(api_process: ApiPro
     """A crash (SIGKILL) and then a graceful restart (SIGTERM) of the only API process, mid-stream."""
     body = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(base_url=api_process.base_url, timeout=30) as client:
-        job_ids = [await submit(client, f"Volume {i}", **body) for i in range(8)]
-        streamed = [asyncio.create_task(follow(client, job_id)) for job_id in job_ids[:4]]
-        polled = [asyncio.create_task(poll(client, job_id)) for job_id in job_ids[4:]]
+        job_ids, streamed, polled = await _start_clients(client, "Volume", 8, body)
         async with Redis.from_url(redis_url) as redis:
             await _wait_events(redis, job_ids[0], 5)
             for sig in (signal.SIGKILL, signal.SIGTERM):
