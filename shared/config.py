@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     num_threads: int | None = Field(None, ge=1, description="torch threads; unset = the cores this process may use")
     worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
     drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")
+    claim_poll_s: float = Field(0.5, gt=0, description="seconds between a worker's unprompted claims; new jobs "
+                                "wake it at once, so this bounds only jobs pushed without a wake message")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="worker Prometheus port; unset = none")
     workers: int = Field(1, ge=0, description="workers started by `tokenspool up`")
 

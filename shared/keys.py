@@ -51,6 +51,7 @@ def job_live(job_id: str) -> str:
 QUEUE_PREFIX = f"{PREFIX}queue:{{"
 QUEUE_SUFFIX = "}"
 QUEUE_SEQ_SUFFIX = "}:seq"
+QUEUE_WAKE_SUFFIX = "}:wake"
 
 
 def queue(model: str) -> str:
@@ -61,6 +62,12 @@ def queue(model: str) -> str:
 def queue_seq(model: str) -> str:
     """Counter: the FIFO sequence number of the model's latest submission."""
     return f"{QUEUE_PREFIX}{model}{QUEUE_SEQ_SUFFIX}"
+
+
+def queue_wake(model: str) -> str:
+    """Pub/sub channel: a job id each time one enters the model's queue (submitted or requeued), so idle
+    workers claim at once instead of at their next poll."""
+    return f"{QUEUE_PREFIX}{model}{QUEUE_WAKE_SUFFIX}"
 
 
 IDEMPOTENCY_PREFIX = f"{PREFIX}idem:"

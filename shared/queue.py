@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
@@ -148,6 +148,7 @@ class JobQueue:
         self._ctx = json.dumps({
             "job_prefix": keys.JOB_PREFIX, "job_suffix": keys.JOB_SUFFIX, "log_suffix": keys.LOG_SUFFIX,
             "live_suffix": keys.LIVE_SUFFIX, "queue_prefix": keys.QUEUE_PREFIX, "queue_suffix": keys.QUEUE_SUFFIX,
+            "wake_suffix": keys.QUEUE_WAKE_SUFFIX,
             "worker_prefix": keys.WORKER_PREFIX, "cancels_suffix": keys.WORKER_CANCELS_SUFFIX,
             "control_prefix": keys.CONTROL_PREFIX, "lease_ttl_s": settings.lease_ttl_s,
             "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
@@ -176,7 +177,8 @@ class JobQueue:
             job_keys.append(keys.idempotency(job.owner, job.idempotency_key))
         try:
             reply = await self._scripts.submit(keys=job_keys, args=[job.model_dump_json(),
-                                                                   self._settings.max_queue_length])
+                                                                   self._settings.max_queue_length,
+                                                                   keys.queue_wake(job.model)])
         except ResponseError as exc:
             raise ValueError(f"id: {exc}") from exc
         outcome = _text(reply[0])
@@ -356,15 +358,27 @@ class JobQueue:
         it with the job's own counter, so seq keeps growing across attempts, and drops numbers it already
         has, so a retried call never duplicates an event.
         """
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for job_id, fence, events in batches:
-                args: list[str | int] = [self._ctx, job_id, fence,
-                                         int(any(isinstance(e, TokenEvent) for e in events))]
-                for event in events:
-                    args += [event.seq, event.model_dump_json(exclude={"seq"})]
-                await self._scripts.publish(keys=[keys.job(job_id)], args=args, client=pipe)
-            replies = await pipe.execute()
+        calls: list[tuple[str, list[str | int]]] = []
+        for job_id, fence, events in batches:
+            args: list[str | int] = [self._ctx, job_id, fence, int(any(isinstance(e, TokenEvent) for e in events))]
+            for event in events:
+                args += [event.seq, event.model_dump_json(exclude={"seq"})]
+            calls.append((keys.job(job_id), args))
+        try:
+            replies = await self._publish_pipeline(calls)
+        except NoScriptError:  # Redis restarted and lost its scripts: nothing ran; load it and send again
+            await self._redis.script_load(self._scripts.publish.script)
+            replies = await self._publish_pipeline(calls)
         return [bool(int(r)) for r in replies]
+
+    async def _publish_pipeline(self, calls: Sequence[tuple[str, list[str | int]]]) -> list[Any]:
+        """EVALSHA of publish.lua per job in one pipeline. Called directly rather than as registered scripts,
+        which would make every pipeline ask ``SCRIPT EXISTS`` first: one round trip per engine step saved."""
+        sha = self._scripts.publish.sha
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_key, args in calls:
+                pipe.evalsha(sha, 1, job_key, *args)
+            return list(await pipe.execute())
 
     async def complete(self, job_id: str, fence: int, result: JobResult) -> bool:
         """Write the result with the final status: ``cancelled`` if any choice was aborted (a cancel), else
@@ -393,27 +407,42 @@ class JobQueue:
         status = _text(reply)
         return None if status == "0" else status
 
-    async def cancellations(self, worker_id: str) -> AsyncIterator[str]:
+    def cancellations(self, worker_id: str) -> AsyncGenerator[str, None]:
         """Job ids the worker must abort: live from its control channel, and every ``poll_interval_s`` again
         from its durable cancel set (so a message missed during a reconnect is not lost). An id may repeat
         until the worker finalises the job."""
+        async def pending() -> list[str]:
+            return [_text(job_id) for job_id in await self._redis.smembers(keys.worker_cancels(worker_id))]
+
+        return self._listen(keys.control(worker_id), pending, f"control channel of {worker_id}")
+
+    def wakeups(self, model: str) -> AsyncGenerator[str, None]:
+        """A job id each time one enters the model's queue (submitted or requeued), from its wake channel; an
+        empty string after every (re)connect and every quiet ``poll_interval_s``, when one may have been missed.
+        Many idle workers may wake for one job: they race to claim it and the losers find nothing."""
+        async def maybe_missed() -> list[str]:
+            return [""]
+
+        return self._listen(keys.queue_wake(model), maybe_missed, f"wake channel of {model}")
+
+    async def _listen(self, channel: str, resync: Callable[[], Awaitable[list[str]]],
+                      name: str) -> AsyncGenerator[str, None]:
+        """Messages of a pub/sub channel, surviving Redis restarts: after each (re)subscription and each quiet
+        ``poll_interval_s`` the items of ``resync`` (what messages may have been missed) come too."""
         pubsub: PubSub | None = None
         try:
             while True:
                 try:
                     if pubsub is None:
                         pubsub = self._redis.pubsub()
-                        await _subscribe(pubsub, keys.control(worker_id))
-                        for job_id in await self._redis.smembers(keys.worker_cancels(worker_id)):
-                            yield _text(job_id)
+                        await _subscribe(pubsub, channel)
+                        for item in await resync():
+                            yield item
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
-                    if msg is not None:
-                        yield _text(msg["data"])
-                    else:
-                        for job_id in await self._redis.smembers(keys.worker_cancels(worker_id)):
-                            yield _text(job_id)
+                    for item in [_text(msg["data"])] if msg is not None else await resync():
+                        yield item
                 except TRANSIENT_ERRORS as exc:
-                    log.warning("control channel of %s lost (%s); reconnecting", worker_id, exc)
+                    log.warning("%s lost (%s); reconnecting", name, exc)
                     if pubsub is not None:
                         await _close_quietly(pubsub)
                     pubsub = None

@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CLAIMS_PER_STEP = 16  # jobs claimed between two engine steps at most, so a deep queue cannot stall decoding
-IDLE_POLL_S = 0.05  # how often an idle worker asks for work
 REDIS_RETRY_S = 300.0  # a Redis outage longer than this ends the worker (exit 1) for its supervisor to restart
 TASK_STOP_S = 2.0  # how long shutdown waits for the heartbeat and cancellation tasks to unwind
 # The lifecycle event of a job this worker released, by the status the release left it in.
@@ -210,18 +209,22 @@ class Runner:
         self._lost: set[str] = set()
         self._cancelled: set[str] = set()
         self._stop = asyncio.Event()
+        self._nudge = asyncio.Event()  # set when a job may be waiting in the queue, or a stop was requested
+        self._next_poll_at = 0.0  # time.monotonic() when the worker claims next even without a nudge
 
     def request_stop(self) -> None:
         """SIGTERM: stop claiming, finish running jobs within ``drain_timeout_s``, release the rest."""
         if not self._stop.is_set():
             log.info("worker %s draining (%d jobs running)", self._worker_id, len(self._active))
         self._stop.set()
+        self._nudge.set()
 
     async def run(self) -> int:
         """The main loop. Background tasks renew leases and listen for cancellations meanwhile."""
         await self._redis(self._queue.register_worker, await self._info(), self._card)
         tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-                 asyncio.create_task(self._cancel_loop(), name="cancellations")]
+                 asyncio.create_task(self._cancel_loop(), name="cancellations"),
+                 asyncio.create_task(self._wake_loop(), name="wakeups")]
         code = 0
         try:
             code = await self._serve()
@@ -246,21 +249,32 @@ class Runner:
                 await self._idle()
 
     async def _idle(self) -> None:
+        """Nothing to run: wait for a wake message (a job entered the queue), a stop, or the next poll."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), IDLE_POLL_S)
+            await asyncio.wait_for(self._nudge.wait(), max(0.0, self._next_poll_at - time.monotonic()))
 
     # --- claiming -------------------------------------------------------------------------------------------
 
     async def _fill(self) -> None:
-        """Claim jobs one by one while the engine has room for another request."""
+        """Claim jobs one by one while the engine has room for another request, when a job may be waiting:
+        after a wake message, or at the next poll. A queue found empty is not asked again until then, so a busy
+        worker spends no round trip per step on it."""
+        if not self._nudge.is_set() and time.monotonic() < self._next_poll_at:
+            return
+        self._nudge.clear()  # before claiming: a job queued from now on sets it again
+        self._next_poll_at = time.monotonic() + self._settings.claim_poll_s
         for _ in range(CLAIMS_PER_STEP):
-            if self._stop.is_set() or not await self._on_engine(self._engine.has_capacity):
+            if self._stop.is_set():
                 return  # a SIGTERM that arrived while we claimed: a draining worker takes nothing new
+            if not await self._on_engine(self._engine.has_capacity):
+                self._nudge.set()  # the queue may hold more: look again once a request has finished
+                return
             jobs = await self._redis(self._queue.claim, self._model, self._worker_id, 1)
             if not jobs:
                 return
             for job in jobs:
                 await self._start(job)
+        self._nudge.set()  # claimed the most one step may: the rest next step
 
     async def _start(self, job: ClaimedJob) -> None:
         """Add the job's requests to the engine; a job the engine refuses fails with the reason."""
@@ -405,6 +419,10 @@ class Runner:
     async def _cancel_loop(self) -> None:
         async for job_id in self._queue.cancellations(self._worker_id):
             self._cancelled.add(job_id)
+
+    async def _wake_loop(self) -> None:
+        async for _ in self._queue.wakeups(self._model):
+            self._nudge.set()
 
     async def _info(self) -> WorkerInfo:
         stats = await self._on_engine(self._engine.stats)

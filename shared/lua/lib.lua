@@ -17,6 +17,7 @@ local function job_key(ctx, id) return ctx.job_prefix .. id .. ctx.job_suffix en
 local function log_key(ctx, id) return ctx.job_prefix .. id .. ctx.log_suffix end
 local function live_channel(ctx, id) return ctx.job_prefix .. id .. ctx.live_suffix end
 local function queue_key(ctx, model) return ctx.queue_prefix .. model .. ctx.queue_suffix end
+local function wake_channel(ctx, model) return ctx.queue_prefix .. model .. ctx.wake_suffix end
 local function cancels_key(ctx, wid) return ctx.worker_prefix .. wid .. ctx.cancels_suffix end
 
 -- Append one event to the job's replay log and channel. `body` is a JSON object without "seq"; the job's
@@ -57,6 +58,7 @@ local function requeue(ctx, inflight, id, attempts)
   redis.call('HINCRBY', jk, 'fence', 1)
   redis.call('ZREM', inflight, id)
   redis.call('ZADD', queue_key(ctx, model), score, id)
+  redis.call('PUBLISH', wake_channel(ctx, model), id)
   local seq = emit(ctx, id, '{"type":"restart","attempt":' .. (attempts + 1) .. '}')
   redis.call('XTRIM', log_key(ctx, id), 'MINID', seq .. '-0')
 end

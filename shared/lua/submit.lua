@@ -3,7 +3,9 @@
 -- KEYS[2] model queue   ts:queue:{<model>}
 -- KEYS[3] queue counter ts:queue:{<model>}:seq
 -- KEYS[4] (optional) idempotency key ts:idem:<owner or ->:<idempotency_key>
--- ARGV[1] JobSubmission JSON (shared/schemas.py); ARGV[2] max queue length (optional, default 10000)
+-- ARGV[1] JobSubmission JSON (shared/schemas.py); ARGV[2] max queue length (optional, default 10000);
+-- ARGV[3] (optional) the model's wake channel ts:queue:{<model>}:wake: idle workers claim at once when told,
+-- otherwise at their next poll
 -- Returns {'created'|'existing', <record as HGETALL list>} or {'full', <queue length>}.
 local ok, sub = pcall(cjson.decode, ARGV[1])
 if not ok or type(sub) ~= 'table' then
@@ -56,4 +58,7 @@ if KEYS[4] then
   redis.call('HSET', KEYS[1], 'idem', KEYS[4])
 end
 redis.call('ZADD', KEYS[2], score, sub.id)
+if ARGV[3] then
+  redis.call('PUBLISH', ARGV[3], sub.id)
+end
 return {'created', redis.call('HGETALL', KEYS[1])}

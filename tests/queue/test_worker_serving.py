@@ -85,6 +85,29 @@ async def test_jobs_run_concurrently(tiny_worker: WorkerProcess, queue: JobQueue
     assert info.id == "tiny-w1" and card is not None and card.max_model_len == 1024 and card.vocab_size == 49152
 
 
+async def test_new_jobs_wake_the_worker_whether_idle_or_busy(redis_server: RedisServer, tiny_llama: Path,
+                                                             queue: JobQueue, tmp_path: Path) -> None:
+    """With its unprompted claims a minute apart, only the wake channel can get a job claimed within seconds:
+    first by the idle worker, then by the same worker while it decodes another job."""
+    worker = WorkerProcess(redis_server.url, tiny_llama, tmp_path, "wake-w1", name="tiny-wake",
+                           claim_poll_s=60).start()
+    try:
+        await asyncio.sleep(0.5)  # past its first claim at start: idle, waiting for a wake message
+        running = make_job(model="tiny-wake", params=GenerationParams(max_tokens=1000, ignore_eos=True))
+        await queue.submit(running)
+        await wait_tokens(queue, running.id, 3, timeout_s=20)
+        second = make_job(model="tiny-wake", params=GenerationParams(max_tokens=5))
+        await queue.submit(second)
+        await wait_tokens(queue, second.id, 1, timeout_s=20)
+        records = [await queue.get(job.id) for job in (running, second)]
+        assert all(r is not None and r.started_at is not None and r.created_at is not None
+                   and r.started_at - r.created_at < 10 for r in records), worker.log_tail()
+        assert records[0] is not None and records[0].status is JobStatus.RUNNING  # the second came in busy
+        await queue.cancel(running.id)
+    finally:
+        worker.stop()
+
+
 async def test_bad_jobs_fail_clearly_and_the_worker_keeps_serving(tiny_worker: WorkerProcess, queue: JobQueue,
                                                                   redis_url: str) -> None:
     too_long = make_job(prompt=None, prompt_token_ids=[5] * 2000)
