@@ -52,8 +52,12 @@ class ServedModel:
 
 @dataclass
 class _Built:
+    """A tokenizer or template built from a card, and what it was built from. ``card`` is the card object seen
+    last: the source text (megabytes for a tokenizer) is compared only when a refresh brought a new card."""
+
     source: str
     value: Any
+    card: ModelCard | None = None
 
 
 class ModelCatalog:
@@ -112,7 +116,7 @@ class ModelCatalog:
         if card.tokenizer_json is None:
             return None
         built = self._tokenizers.get(card.name)
-        if built is None or built.source != card.tokenizer_json:
+        if built is None or (built.card is not card and built.source != card.tokenizer_json):
             try:
                 built = _Built(card.tokenizer_json, Tokenizer.from_str(card.tokenizer_json))
             except Exception:
@@ -120,7 +124,8 @@ class ModelCatalog:
                 log.warning("cannot build the tokenizer of model %s; prompt lengths are checked by the worker only",
                             card.name, exc_info=True)
                 built = _Built(card.tokenizer_json, None)
-            self._tokenizers[card.name] = built
+        built.card = card
+        self._tokenizers[card.name] = built
         tokenizer: Tokenizer | None = built.value
         return tokenizer
 

@@ -20,6 +20,7 @@ from shared.config import Settings
 from shared.logging_setup import configure_logging
 from shared.queue import JobQueue
 from worker.engine import Engine, EngineConfig
+from worker.engine_thread import EngineThread
 from worker.metrics import WorkerMetrics
 from worker.runner import Runner
 
@@ -58,20 +59,22 @@ def run_worker(settings: Settings) -> int:
     log.info("worker %s loading model %s", worker_id, settings.model)
     # Weight loading's tqdm bars would interleave raw text with our JSON log lines.
     transformers.utils.logging.disable_progress_bar()
-    engine = Engine(engine_config(settings))
+    engine_thread = EngineThread()
+    engine = engine_thread.build(lambda: Engine(engine_config(settings)))
     metrics = WorkerMetrics(settings.served_model_name)
     if settings.metrics_port is not None:
         # Only once the model is loaded: the port answering is what the orchestrator's probes wait for.
         server = metrics.serve(settings.metrics_port)
         log.info("worker %s metrics on port %d", worker_id, server.server_port,
                  extra={"worker_id": worker_id, "metrics_port": server.server_port})
-    return asyncio.run(_serve(settings, engine, worker_id, metrics))
+    return asyncio.run(_serve(settings, engine, engine_thread, worker_id, metrics))
 
 
-async def _serve(settings: Settings, engine: Engine, worker_id: str, metrics: WorkerMetrics) -> int:
+async def _serve(settings: Settings, engine: Engine, engine_thread: EngineThread, worker_id: str,
+                 metrics: WorkerMetrics) -> int:
     assert settings.redis_url is not None
     redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, health_check_interval=15)
-    runner = Runner(engine, JobQueue(redis, settings), settings, worker_id, metrics=metrics)
+    runner = Runner(engine, engine_thread, JobQueue(redis, settings), settings, worker_id, metrics=metrics)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runner.request_stop)

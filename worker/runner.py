@@ -1,7 +1,7 @@
 """The Redis <-> engine bridge: claim jobs while the engine has room, feed its step loop, publish every step's
 deltas, write results, renew leases, obey cancellations, and drain on shutdown.
 
-Every engine call runs on one dedicated thread (the engine is not thread-safe); the asyncio loop stays free for
+Every engine call runs on the thread that built the engine (``EngineThread``); the asyncio loop stays free for
 lease renewal and cancellation while a step computes. The pure parts (job -> engine requests, step outputs ->
 events and results) are plain functions and a small state class, testable without Redis or a model.
 """
@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -35,6 +34,7 @@ from shared.schemas import (
     WorkerInfo,
 )
 from worker.engine import Engine, Logprob, SamplingParams, StepOutput
+from worker.engine_thread import EngineThread
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -193,9 +193,10 @@ def model_card(name: str, engine: Engine) -> ModelCard:
 class Runner:
     """Serves one model from one engine until ``request_stop``; ``run`` returns the process exit code."""
 
-    def __init__(self, engine: Engine, queue: JobQueue, settings: Settings, worker_id: str,
-                 redis_retry_s: float = REDIS_RETRY_S, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, engine_thread: EngineThread, queue: JobQueue, settings: Settings,
+                 worker_id: str, redis_retry_s: float = REDIS_RETRY_S, metrics: WorkerMetrics | None = None) -> None:
         self._engine = engine
+        self._engine_thread = engine_thread
         self._queue = queue
         self._settings = settings
         self._worker_id = worker_id
@@ -204,7 +205,6 @@ class Runner:
         self._metrics = metrics or WorkerMetrics(self._model)
         self._started_at = time.time()
         self._redis_retry_s = redis_retry_s
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._active: dict[str, ActiveJob] = {}
         self._lost: set[str] = set()
         self._cancelled: set[str] = set()
@@ -256,25 +256,19 @@ class Runner:
     # --- claiming -------------------------------------------------------------------------------------------
 
     async def _fill(self) -> None:
-        """Claim jobs one by one while the engine has room for another request, when a job may be waiting:
-        after a wake message, or at the next poll. A queue found empty is not asked again until then, so a busy
-        worker spends no round trip per step on it."""
-        if not self._nudge.is_set() and time.monotonic() < self._next_poll_at:
-            return
+        """Claim as many jobs as the engine has seats for (one round trip), when a job may be waiting: after a
+        wake message, or at the next poll. A queue found empty is not asked again until then, so a busy worker
+        spends no round trip per step on it."""
+        if self._stop.is_set() or (not self._nudge.is_set() and time.monotonic() < self._next_poll_at):
+            return  # a draining worker takes nothing new
         self._nudge.clear()  # before claiming: a job queued from now on sets it again
         self._next_poll_at = time.monotonic() + self._settings.claim_poll_s
-        for _ in range(CLAIMS_PER_STEP):
-            if self._stop.is_set():
-                return  # a SIGTERM that arrived while we claimed: a draining worker takes nothing new
-            if not await self._on_engine(self._engine.has_capacity):
-                self._nudge.set()  # the queue may hold more: look again once a request has finished
-                return
-            jobs = await self._redis(self._queue.claim, self._model, self._worker_id, 1)
-            if not jobs:
-                return
-            for job in jobs:
-                await self._start(job)
-        self._nudge.set()  # claimed the most one step may: the rest next step
+        wanted = min(CLAIMS_PER_STEP, await self._on_engine(self._engine.free_seats))
+        jobs = await self._redis(self._queue.claim, self._model, self._worker_id, wanted) if wanted else []
+        for job in jobs:
+            await self._start(job)
+        if not wanted or len(jobs) == wanted:
+            self._nudge.set()  # the queue may hold more: look again next step (once a seat is free)
 
     async def _start(self, job: ClaimedJob) -> None:
         """Add the job's requests to the engine; a job the engine refuses fails with the reason."""
@@ -453,7 +447,7 @@ class Runner:
             log.error("could not release jobs or deregister (%s); their leases will expire", exc)
         finally:
             self._active.clear()
-            self._executor.shutdown(wait=True)
+            self._engine_thread.shutdown()
 
     async def _release(self, job: ActiveJob, charge_attempt: bool, give_up_s: float | None = None) -> None:
         """Hand the job back to the queue (drain, engine failure), counted and logged by where it went."""
@@ -474,7 +468,7 @@ class Runner:
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the engine thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self._engine_thread.call(fn, *args)
 
     async def _redis(self, fn: Callable[..., Awaitable[T]], *args: Any, give_up_s: float | None = None) -> T:
         """A queue call, retried through Redis outages (restart, failover) with jittered exponential backoff."""

@@ -150,7 +150,13 @@ class Engine:
 
     def has_capacity(self) -> bool:
         """Room for at least one more request right now (a free seat and a free block)."""
-        return len(self._requests) < self.config.max_num_seqs and self.block_pool.num_free_blocks > 0
+        return self.free_seats() > 0
+
+    def free_seats(self) -> int:
+        """How many more requests the engine takes right now: its free seats, none without a free block."""
+        if self.block_pool.num_free_blocks == 0:
+            return 0
+        return max(0, self.config.max_num_seqs - len(self._requests))
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
