@@ -18,13 +18,13 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.config import Settings
 from shared.lifecycle_log import LifecycleEvent, job_fields
-from shared.live_channels import SUBSCRIBE_TIMEOUT_S, TRANSIENT_ERRORS, Listener, LiveChannels
 from shared.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 STREAM_EVENTS: TypeAdapter[TokenEvent | RestartEvent | DoneEvent | ErrorEvent] = TypeAdapter(StreamEvent)
 REAP_BATCH = 100
 REPLAY_CHUNK = 1000
+SUBSCRIBE_TIMEOUT_S = 10.0
+# Redis errors a stream or cancellation listener rides out by reconnecting.
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class QueueFullError(Exception):
@@ -152,15 +155,10 @@ class JobQueue:
             "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
         })
         self._cards_sent: set[str] = set()
-        self._live = LiveChannels(redis)  # every open stream's live channel, over one connection
 
     @property
     def redis(self) -> Redis:
         return self._redis
-
-    @property
-    def live(self) -> LiveChannels:
-        return self._live
 
     @property
     def poll_interval_s(self) -> float:
@@ -500,21 +498,27 @@ async def _close_quietly(pubsub: PubSub) -> None:
 
 
 class _StreamReader:
-    """One reader of one job's events: its live channel for delivery, the replay log for history and gaps."""
+    """One reader of one job's events: pub/sub for live delivery, the replay log for history and gaps."""
 
     def __init__(self, queue: JobQueue, job_id: str, after_seq: int) -> None:
         self._queue = queue
         self._job_id = job_id
         self._last = after_seq
-        self._listener: Listener | None = None
+        self._pubsub: PubSub | None = None
 
     async def subscribe(self) -> None:
-        self._listener = await self._queue.live.listen(keys.job_live(self._job_id))
+        pubsub = self._queue.redis.pubsub()
+        try:
+            await _subscribe(pubsub, keys.job_live(self._job_id))
+        except BaseException:
+            await _close_quietly(pubsub)
+            raise
+        self._pubsub = pubsub
 
     async def close(self) -> None:
-        if self._listener is not None:
-            listener, self._listener = self._listener, None
-            await listener.close()
+        if self._pubsub is not None:
+            await _close_quietly(self._pubsub)
+            self._pubsub = None
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         """Replay after ``after_seq``, then live events, each seq once and in order.
@@ -537,7 +541,7 @@ class _StreamReader:
                     yield event
                     if isinstance(event, DoneEvent | ErrorEvent):
                         return
-                if self._listener is None:  # lost in a Redis outage: subscribe again, then catch up from the log
+                if self._pubsub is None:  # lost in a Redis outage: subscribe again, then catch up from the log
                     await self.subscribe()
                     pending = await self._replay_or_end()
                 else:
@@ -551,11 +555,11 @@ class _StreamReader:
 
     async def _next_live(self) -> list[dict[str, Any]]:
         """The next events: the live message itself when it follows on, else what the log holds."""
-        assert self._listener is not None
-        data = await self._listener.get(timeout=self._queue.poll_interval_s)
-        if data is None:
+        assert self._pubsub is not None
+        msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=self._queue.poll_interval_s)
+        if msg is None:
             return await self._replay_or_end()
-        raw: dict[str, Any] = json.loads(data)
+        raw: dict[str, Any] = json.loads(msg["data"])
         if raw["seq"] <= self._last + 1:
             return [raw]
         return await self._queue.replay(self._job_id, self._last)
