@@ -220,7 +220,7 @@ class Runner:
         self._nudge.set()
 
     async def run(self) -> int:
-        """The main loop. Background tasks renew leases and listen for cancellations meanwhile."""
+        """The main loop. Background tasks renew leases and listen for cancellations and wake-ups meanwhile."""
         await self._redis(self._queue.register_worker, await self._info(), self._card)
         tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                  asyncio.create_task(self._cancel_loop(), name="cancellations"),
