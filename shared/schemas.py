@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -59,8 +59,16 @@ class GenerationParams(_Wire):
     stop: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field((), max_length=16)
     stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field((), max_length=64)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, description="tokens to generate at least (EOS and stop strings wait)")
     logprobs: int | None = Field(None, ge=0, le=20, description="None = off; 0 = chosen token; N = top-N too")
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, value: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")  # absent when max_tokens itself failed validation
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"must be at most max_tokens ({max_tokens})")
+        return value
 
 
 class ChatMessage(_Wire):

@@ -175,6 +175,7 @@ def test_invalid_job_bodies_are_400s_naming_the_field(api: ApiServer, worker: Fa
         ({"prompt": "a", "temperature": -1}, "temperature"),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "a", "max_tokens": 100_000}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"prompt": "a", "n": 9}, "n"),
         ({"prompt": "a", "tempurature": 0.5}, "tempurature"),
         ({"prompt": "a", "priority": 5000}, "priority"),

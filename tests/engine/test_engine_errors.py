@@ -52,6 +52,7 @@ def test_duplicate_request_id_is_refused(engine: Engine) -> None:
     ("temperature", {"temperature": -1.0}),
     ("top_p", {"top_p": 0.0}),
     ("logprobs", {"logprobs": 21}),
+    ("min_tokens", {"max_tokens": 4, "min_tokens": 5}),
 ])
 def test_bad_sampling_params(field: str, kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=field):

@@ -50,7 +50,8 @@ class SamplingParams:
         _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0", self.repetition_penalty)
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"in [0, max_tokens={self.max_tokens}]",
+               self.min_tokens)
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "None or in [0, 20]", self.logprobs)
         _check(all(s for s in self.stop), "stop", "non-empty strings", self.stop)
 
