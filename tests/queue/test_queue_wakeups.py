@@ -79,3 +79,16 @@ async def test_publish_many_survives_a_flushed_script_cache(queue: JobQueue, red
     again = TokenEvent(seq=2, index=0, text=" there", token_ids=[6])
     assert await queue.publish_many([(job.id, claim.fence, [event, again])]) == [True]  # seq 1 is not repeated
     assert [e["text"] for e in await queue.replay(job.id, 0)] == ["hi", " there"]
+
+
+async def test_publish_many_is_one_round_trip_without_script_exists(queue: JobQueue, redis: Redis) -> None:
+    """redis-py's registered scripts would ask SCRIPT EXISTS before every pipeline: a second round trip per step."""
+    job = make_job()
+    await queue.submit(job)
+    [claim] = await queue.claim(MODEL, "w1", 1)
+    await redis.config_resetstat()
+    for seq in (1, 2, 3):
+        event = TokenEvent(seq=seq, index=0, text=f"t{seq}", token_ids=[seq])
+        assert await queue.publish_many([(job.id, claim.fence, [event])]) == [True]
+    stats = await redis.info("commandstats")
+    assert "cmdstat_script|exists" not in stats and stats["cmdstat_evalsha"]["calls"] == 3
