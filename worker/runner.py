@@ -2,8 +2,10 @@
 deltas, write results, renew leases, obey cancellations, and drain on shutdown.
 
 Every engine call runs on the thread that built the engine (``EngineThread``); the asyncio loop stays free for
-lease renewal and cancellation while a step computes. The pure parts (job -> engine requests, step outputs ->
-events and results) are plain functions and a small state class, testable without Redis or a model.
+lease renewal and cancellation while a step computes. A step's events are published while the next step
+computes (``_deliver``), so the engine does not wait on Redis between steps, except after a step that produced a
+job's first token, whose delivery comes first. The pure parts (job -> engine requests, step outputs -> events
+and results) live in ``worker.jobs``.
 """
 
 from __future__ import annotations
@@ -12,29 +14,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from shared.config import Settings
 from shared.lifecycle_log import LifecycleEvent, job_fields, text_fields
 from shared.queue import TRANSIENT_ERRORS, ClaimedJob, JobQueue
-from shared.schemas import (
-    Choice,
-    FinishReason,
-    JobResult,
-    JobSubmission,
-    ModelCard,
-    SpecDecodeStats,
-    TokenEvent,
-    TokenLogprob,
-    Usage,
-    WorkerInfo,
-)
-from worker.engine import Engine, Logprob, SamplingParams, StepOutput
+from shared.schemas import JobSubmission, TokenEvent, TokenLogprob, WorkerInfo
+from worker.engine import Engine, SamplingParams, StepOutput
 from worker.engine_thread import EngineThread
+from worker.jobs import ActiveJob, model_card, prompt_token_ids, request_id, split_request_id, to_token_logprobs
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -45,149 +36,6 @@ REDIS_RETRY_S = 300.0  # a Redis outage longer than this ends the worker (exit 1
 TASK_STOP_S = 2.0  # how long shutdown waits for the heartbeat and cancellation tasks to unwind
 # The lifecycle event of a job this worker released, by the status the release left it in.
 RELEASE_EVENTS: dict[str, LifecycleEvent] = {"queued": "released", "failed": "dead_lettered", "cancelled": "cancelled"}
-
-
-class Tokenizer(Protocol):
-    """The part of a Hugging Face tokenizer the runner uses."""
-
-    chat_template: str | None
-
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, token_ids: list[int]) -> str: ...
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-    def __call__(self, text: str, **kwargs: Any) -> Any: ...
-
-
-def request_id(job_id: str, index: int) -> str:
-    """Engine request id of choice ``index`` of a job (CONTRACTS.md)."""
-    return f"{job_id}#{index}"
-
-
-def split_request_id(rid: str) -> tuple[str, int]:
-    job_id, _, index = rid.rpartition("#")
-    return job_id, int(index)
-
-
-def prompt_token_ids(job: JobSubmission, tokenizer: Tokenizer) -> list[int]:
-    """The job's prompt as token ids: given ids as they are, text as ``encode`` does (as ``Engine.generate``),
-    messages rendered with the model's chat template plus the generation prompt."""
-    if job.prompt_token_ids is not None:
-        return list(job.prompt_token_ids)
-    if job.prompt is not None:
-        return list(tokenizer.encode(job.prompt))
-    assert job.messages is not None
-    if not tokenizer.chat_template:
-        raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids")
-    text = tokenizer.apply_chat_template([m.model_dump() for m in job.messages], tokenize=False,
-                                         add_generation_prompt=True)
-    # The template already holds the special tokens (BOS etc.), as apply_chat_template(tokenize=True) assumes.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def to_token_logprobs(logprobs: Sequence[Logprob], tokenizer: Tokenizer) -> list[TokenLogprob]:
-    """Engine logprobs with the tokens' text, as the wire schema carries them."""
-    return [TokenLogprob(token_id=lp.token_id, token=tokenizer.decode([lp.token_id]), logprob=lp.logprob,
-                         top=[(tid, tokenizer.decode([tid]), v) for tid, v in lp.top]) for lp in logprobs]
-
-
-@dataclass
-class ChoiceState:
-    """What one choice produced so far."""
-
-    texts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: FinishReason | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    first_token_at: float | None = None  # time.monotonic() of the step that produced the first/latest token
-    last_token_at: float | None = None
-
-
-@dataclass
-class ActiveJob:
-    """A claimed job in the engine: its choices' progress and the next attempt-local event number."""
-
-    claim: ClaimedJob
-    choices: list[ChoiceState]
-    next_seq: int = 1
-    first_token_published: bool = False
-
-    @classmethod
-    def start(cls, claim: ClaimedJob) -> ActiveJob:
-        wants_logprobs = claim.submission.params.logprobs is not None
-        return cls(claim, [ChoiceState(logprobs=[] if wants_logprobs else None) for _ in range(claim.submission.n)])
-
-    @property
-    def job_id(self) -> str:
-        return self.claim.submission.id
-
-    @property
-    def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
-
-    def unfinished_request_ids(self) -> list[str]:
-        return [request_id(self.job_id, i) for i, c in enumerate(self.choices) if c.finish_reason is None]
-
-    def apply(self, out: StepOutput, index: int, logprobs: list[TokenLogprob] | None) -> TokenEvent | None:
-        """Record one step's output of choice ``index``; the event to publish, if it carries anything."""
-        choice = self.choices[index]
-        choice.texts.append(out.text_delta)
-        choice.token_ids += out.new_token_ids
-        if out.new_token_ids:
-            choice.last_token_at = time.monotonic()
-            choice.first_token_at = choice.first_token_at or choice.last_token_at
-        if choice.logprobs is not None and logprobs:
-            choice.logprobs += logprobs
-        choice.num_prompt_tokens = out.num_prompt_tokens
-        choice.num_cached_tokens = out.num_cached_tokens
-        choice.num_draft_tokens += out.num_draft_tokens
-        choice.num_accepted_tokens += out.num_accepted_tokens
-        if out.finished:
-            choice.finish_reason = out.finish_reason or "stop"
-        if not out.text_delta and not out.new_token_ids:
-            return None
-        event = TokenEvent(seq=self.next_seq, index=index, text=out.text_delta, token_ids=list(out.new_token_ids),
-                           logprobs=logprobs if choice.logprobs is not None else None)
-        self.next_seq += 1
-        return event
-
-    def abort(self) -> None:
-        """The unfinished choices end now (a cancel): finish reason ``abort``, text so far kept."""
-        for choice in self.choices:
-            if choice.finish_reason is None:
-                choice.finish_reason = "abort"
-
-    def result(self) -> JobResult:
-        """Choices in index order; the prompt is counted once (the n choices share it)."""
-        choices = [
-            Choice(index=i, text="".join(c.texts), finish_reason=c.finish_reason, token_ids=c.token_ids,
-                   logprobs=c.logprobs,
-                   spec_decode=SpecDecodeStats(num_draft_tokens=c.num_draft_tokens,
-                                               num_accepted_tokens=c.num_accepted_tokens)
-                   if c.num_draft_tokens else None)
-            for i, c in enumerate(self.choices)
-        ]
-        first = self.choices[0]
-        usage = Usage(prompt_tokens=first.num_prompt_tokens, cached_tokens=first.num_cached_tokens,
-                      completion_tokens=sum(len(c.token_ids) for c in self.choices))
-        return JobResult(choices=choices, usage=usage)
-
-
-def model_card(name: str, engine: Engine) -> ModelCard:
-    """What the API needs to validate and template requests for this model without loading it."""
-    tokenizer = engine.tokenizer
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return ModelCard(
-        name=name, max_model_len=engine.max_model_len, eos_token_ids=list(engine.eos_token_ids),
-        chat_template=tokenizer.chat_template,
-        # The model's vocabulary (what token ids the engine accepts), not the tokenizer's length.
-        vocab_size=engine.runner.shape.vocab_size,
-        tokenizer_json=backend.to_str() if backend is not None else None,
-        special_tokens={k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)},
-    )
 
 
 class Runner:
@@ -211,6 +59,7 @@ class Runner:
         self._stop = asyncio.Event()
         self._nudge = asyncio.Event()  # set when a job may be waiting in the queue, or a stop was requested
         self._next_poll_at = 0.0  # time.monotonic() when the worker claims next even without a nudge
+        self._delivery: asyncio.Task[None] | None = None  # the last step's publish + completions, in flight
 
     def request_stop(self) -> None:
         """SIGTERM: stop claiming, finish running jobs within ``drain_timeout_s``, release the rest."""
@@ -306,16 +155,31 @@ class Runner:
     # --- stepping -------------------------------------------------------------------------------------------
 
     async def _step(self) -> bool:
-        """One engine step; its deltas go out in one pipeline, then finished jobs are completed.
-        False when the engine failed (its jobs are released, charged, and the worker exits)."""
+        """One engine step. Its events go out in one pipeline behind the next step (see ``_deliver``), then
+        the jobs it finished are completed. False when the engine failed (its jobs are released, charged, and
+        the worker exits)."""
         try:
             outputs = await self._on_engine(self._step_engine)
         except Exception:
             log.exception("engine step failed; releasing %d jobs", len(self._active))
+            await self._settle()
             for job in list(self._active.values()):
                 await self._release(job, charge_attempt=True)
             self._active.clear()
             return False
+        published, finished = self._apply(outputs)
+        await self._settle()  # the previous step's events go out first: a job's events stay in seq order
+        delivery = self._deliver(published, finished)
+        if any(not job.first_token_published for job, _ in published):
+            await delivery  # a first token: TTFT is worth more than one step's publish time
+        else:
+            self._delivery = asyncio.create_task(delivery, name="delivery")
+        return True
+
+    def _apply(self, outputs: list[tuple[StepOutput, list[TokenLogprob] | None]]
+               ) -> tuple[list[tuple[ActiveJob, list[TokenEvent]]], list[ActiveJob]]:
+        """Fold a step's outputs into the jobs: the events to publish per job, and the jobs now done (no
+        longer active: the engine is finished with them; their delivery completes them)."""
         events: dict[str, list[TokenEvent]] = {}
         for out, logprobs in outputs:
             job_id, index = split_request_id(out.request_id)
@@ -325,14 +189,32 @@ class Runner:
             event = job.apply(out, index, logprobs)
             if event is not None:
                 events.setdefault(job_id, []).append(event)
-        if events:
-            batches = [(jid, self._active[jid].claim.fence, evs) for jid, evs in events.items()]
-            accepted = await self._redis(self._queue.publish_many, batches)
-            self._lost.update(jid for (jid, _, _), ok in zip(batches, accepted, strict=True) if not ok)
-            self._first_tokens([jid for (jid, _, _), ok in zip(batches, accepted, strict=True) if ok])
-        for job in [j for j in self._active.values() if j.done and j.job_id not in self._lost]:
-            await self._finish(job)
-        return True
+        published = [(self._active[job_id], evs) for job_id, evs in events.items()]
+        finished = [self._active.pop(job.job_id) for job in list(self._active.values()) if job.done]
+        return published, finished
+
+    async def _deliver(self, published: list[tuple[ActiveJob, list[TokenEvent]]], finished: list[ActiveJob]) -> None:
+        """Publish one step's events (one pipeline), then complete the jobs it finished. A job whose events were
+        refused lost its lease: an unfinished one is dropped before the next step, a finished one not completed."""
+        refused: set[str] = set()
+        if published:
+            accepted = await self._redis(self._queue.publish_many,
+                                         [(job.job_id, job.claim.fence, evs) for job, evs in published])
+            refused = {job.job_id for (job, _), ok in zip(published, accepted, strict=True) if not ok}
+            self._first_tokens([job for job, _ in published if job.job_id not in refused])
+        done_ids = {job.job_id for job in finished}
+        self._lost.update(refused - done_ids)
+        for job in finished:
+            if job.job_id in refused:
+                log.warning("job %s dropped: lease lost", job.job_id, extra=self._fields("lease_lost", job.job_id))
+            else:
+                await self._finish(job)
+
+    async def _settle(self) -> None:
+        """Wait for the delivery still in flight, if any (raising what it raised)."""
+        delivery, self._delivery = self._delivery, None
+        if delivery is not None:
+            await delivery
 
     def _step_engine(self) -> list[tuple[StepOutput, list[TokenLogprob] | None]]:
         """Engine thread: a step, with logprob token texts decoded here (the tokenizer lives on this thread)."""
@@ -346,18 +228,17 @@ class Runner:
         return [(out, to_token_logprobs(out.logprobs, self._engine.tokenizer) if out.logprobs else None)
                 for out in outputs]
 
-    def _first_tokens(self, job_ids: list[str]) -> None:
+    def _first_tokens(self, jobs: list[ActiveJob]) -> None:
         """Jobs whose events were just published: the first time a job's token went out is its TTFT."""
         now = time.time()
-        for job_id in job_ids:
-            job = self._active[job_id]
+        for job in jobs:
             if not job.first_token_published and any(c.token_ids for c in job.choices):
                 job.first_token_published = True
                 self._metrics.on_first_token(job.claim.submission.created_at, now)
-                log.info("job %s first token", job_id, extra=self._fields("first_token", job_id))
+                log.info("job %s first token", job.job_id, extra=self._fields("first_token", job.job_id))
 
     async def _finish(self, job: ActiveJob) -> None:
-        del self._active[job.job_id]
+        """Write the result of a job that left ``_active`` (done, or cancelled), with its metrics and log line."""
         result = job.result()
         ok = await self._redis(self._queue.complete, job.job_id, job.claim.fence, result)
         if not ok:
@@ -387,8 +268,10 @@ class Runner:
             await self._on_engine(self._abort_all, job.unfinished_request_ids())
             log.warning("job %s dropped: lease lost", job_id, extra=self._fields("lease_lost", job_id))
         cancelled, self._cancelled = self._cancelled & self._active.keys(), set()
+        if cancelled:
+            await self._settle()  # its last events go out before its result
         for job_id in cancelled:
-            job = self._active[job_id]
+            job = self._active.pop(job_id)
             await self._on_engine(self._abort_all, job.unfinished_request_ids())
             job.abort()
             await self._finish(job)
@@ -439,6 +322,7 @@ class Runner:
                         TASK_STOP_S, extra={"stacks": [repr(t.get_stack()) for t in stuck]})
         patience = self._settings.lease_ttl_s
         try:
+            await self._settle()  # the last step's events and results
             for job in list(self._active.values()):
                 await self._on_engine(self._abort_all, job.unfinished_request_ids())
                 await self._release(job, charge_attempt=False, give_up_s=patience)

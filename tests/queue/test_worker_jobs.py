@@ -1,4 +1,4 @@
-"""The runner's pure logic: a job becomes engine requests, step outputs become events and a result.
+"""worker.jobs, the runner's pure logic: a job becomes engine requests, step outputs become events and a result.
 
 Real tokenizer (SmolLM2's), real engine output records; no Redis, no model.
 """
@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from shared.queue import ClaimedJob
 from shared.schemas import ChatMessage, GenerationParams
 from worker.engine import StepOutput
-from worker.runner import ActiveJob, prompt_token_ids, request_id, split_request_id
+from worker.jobs import ActiveJob, prompt_token_ids, request_id, split_request_id
 
 
 @pytest.fixture(scope="module")
