@@ -2,32 +2,29 @@
 
 Every state change is one Lua script (``shared/lua``), so the queue stays consistent whatever mix of API
 processes, workers and other backends uses it at once. Reads are plain commands. Nothing here imports torch.
+Reading one job's event stream is ``shared.job_stream``; the pub/sub plumbing is ``shared.pubsub``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.config import Settings
+from shared.job_stream import JobStreamReader, entry_event
 from shared.lifecycle_log import LifecycleEvent, job_fields
+from shared.pubsub import TRANSIENT_ERRORS, listen
 from shared.schemas import (
-    DoneEvent,
-    ErrorEvent,
     JobRecord,
     JobResult,
     JobStatus,
@@ -43,12 +40,9 @@ from shared.scripts import Scripts
 
 log = logging.getLogger(__name__)
 
-STREAM_EVENTS: TypeAdapter[TokenEvent | RestartEvent | DoneEvent | ErrorEvent] = TypeAdapter(StreamEvent)
 REAP_BATCH = 100
 REPLAY_CHUNK = 1000
-SUBSCRIBE_TIMEOUT_S = 10.0
-# Redis errors a stream or cancellation listener rides out by reconnecting.
-TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+__all__ = ["TRANSIENT_ERRORS", "ClaimedJob", "JobQueue", "QueueFullError", "RecoveredJob"]
 
 
 class QueueFullError(Exception):
@@ -288,7 +282,7 @@ class JobQueue:
         the job does not exist or expired). Subscribing happens on enter, before any replay, so an event
         published in between is seen live and dropped as a duplicate of the replay.
         """
-        reader = _StreamReader(self, job_id, after_seq)
+        reader = JobStreamReader(self, job_id, after_seq)
         await reader.subscribe()
         try:
             yield reader.events()
@@ -414,7 +408,7 @@ class JobQueue:
         async def pending() -> list[str]:
             return [_text(job_id) for job_id in await self._redis.smembers(keys.worker_cancels(worker_id))]
 
-        return self._listen(keys.control(worker_id), pending, f"control channel of {worker_id}")
+        return listen(self._redis, keys.control(worker_id), pending, f"control channel of {worker_id}", self._poll_s)
 
     def wakeups(self, model: str) -> AsyncGenerator[str, None]:
         """A job id each time one enters the model's queue (submitted or requeued), from its wake channel; an
@@ -423,33 +417,7 @@ class JobQueue:
         async def maybe_missed() -> list[str]:
             return [""]
 
-        return self._listen(keys.queue_wake(model), maybe_missed, f"wake channel of {model}")
-
-    async def _listen(self, channel: str, resync: Callable[[], Awaitable[list[str]]],
-                      name: str) -> AsyncGenerator[str, None]:
-        """Messages of a pub/sub channel, surviving Redis restarts: after each (re)subscription and each quiet
-        ``poll_interval_s`` the items of ``resync`` (what messages may have been missed) come too."""
-        pubsub: PubSub | None = None
-        try:
-            while True:
-                try:
-                    if pubsub is None:
-                        pubsub = self._redis.pubsub()
-                        await _subscribe(pubsub, channel)
-                        for item in await resync():
-                            yield item
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
-                    for item in [_text(msg["data"])] if msg is not None else await resync():
-                        yield item
-                except TRANSIENT_ERRORS as exc:
-                    log.warning("%s lost (%s); reconnecting", name, exc)
-                    if pubsub is not None:
-                        await _close_quietly(pubsub)
-                    pubsub = None
-                    await asyncio.sleep(self._poll_s / 4)
-        finally:
-            if pubsub is not None:
-                await _close_quietly(pubsub)
+        return listen(self._redis, keys.queue_wake(model), maybe_missed, f"wake channel of {model}", self._poll_s)
 
     async def replay(self, job_id: str, after_seq: int) -> list[dict[str, Any]]:
         """Log entries with seq > ``after_seq``, as parsed JSON objects, in order."""
@@ -457,7 +425,7 @@ class JobQueue:
         start = f"({after_seq}-0"
         while True:
             chunk = await self._redis.xrange(keys.job_log(job_id), min=start, max="+", count=REPLAY_CHUNK) or []
-            entries += [_entry_event(fields) for _, fields in chunk if fields]
+            entries += [entry_event(fields) for _, fields in chunk if fields]
             if len(chunk) < REPLAY_CHUNK:
                 return entries
             start = f"({_text(chunk[-1][0])}"
@@ -470,120 +438,3 @@ def _invalid_reason(exc: ValueError) -> str:
         return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'submission'}: {e['msg']}"
                          for e in exc.errors(include_input=False, include_url=False))
     return str(exc)
-
-
-def _entry_event(fields: dict[Any, Any]) -> dict[str, Any]:
-    """The event JSON of one replay-log entry (field ``data``), decoded responses or not."""
-    event: dict[str, Any] = json.loads(fields[b"data"] if b"data" in fields else fields["data"])
-    return event
-
-
-async def _subscribe(pubsub: PubSub, channel: str) -> None:
-    """Subscribe and wait for Redis to confirm, so nothing published afterwards can be missed."""
-    await pubsub.subscribe(channel)
-    deadline = asyncio.get_running_loop().time() + SUBSCRIBE_TIMEOUT_S
-    while asyncio.get_running_loop().time() < deadline:
-        msg = await pubsub.get_message(timeout=1.0)
-        if msg is not None and msg["type"] in ("subscribe", b"subscribe"):
-            return
-    raise RedisTimeoutError(f"no confirmation of SUBSCRIBE {channel} within {SUBSCRIBE_TIMEOUT_S} s")
-
-
-async def _close_quietly(pubsub: PubSub) -> None:
-    """Close a pub/sub connection that may already be broken."""
-    with suppress(*TRANSIENT_ERRORS):
-        # Bounded: closing a connection whose reader was just cancelled can wait on a lock forever.
-        async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S / 5):
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
-
-
-class _StreamReader:
-    """One reader of one job's events: pub/sub for live delivery, the replay log for history and gaps."""
-
-    def __init__(self, queue: JobQueue, job_id: str, after_seq: int) -> None:
-        self._queue = queue
-        self._job_id = job_id
-        self._last = after_seq
-        self._pubsub: PubSub | None = None
-
-    async def subscribe(self) -> None:
-        pubsub = self._queue.redis.pubsub()
-        try:
-            await _subscribe(pubsub, keys.job_live(self._job_id))
-        except BaseException:
-            await _close_quietly(pubsub)
-            raise
-        self._pubsub = pubsub
-
-    async def close(self) -> None:
-        if self._pubsub is not None:
-            await _close_quietly(self._pubsub)
-            self._pubsub = None
-
-    async def events(self) -> AsyncIterator[StreamEvent]:
-        """Replay after ``after_seq``, then live events, each seq once and in order.
-
-        A live message that follows on from the last seq is used as is; an older one is a duplicate of the
-        replay and dropped; a newer one means something was missed, and the log fills the gap. After a quiet
-        ``poll_interval_s`` or a reconnect the log is read again and the job checked, so a finished or expired
-        job never leaves the reader waiting.
-        """
-        pending: list[dict[str, Any]] | None = None  # None: the first replay is still to do
-        while True:
-            try:
-                if pending is None:  # inside the try: Redis may go away between subscribing and this first read
-                    pending = await self._replay_or_end()
-                for raw in pending:
-                    if raw["seq"] <= self._last and not raw.get("again"):
-                        continue
-                    event = await self._expand(raw)
-                    self._last = event.seq
-                    yield event
-                    if isinstance(event, DoneEvent | ErrorEvent):
-                        return
-                if self._pubsub is None:  # lost in a Redis outage: subscribe again, then catch up from the log
-                    await self.subscribe()
-                    pending = await self._replay_or_end()
-                else:
-                    pending = await self._next_live()
-            except TRANSIENT_ERRORS as exc:
-                log.warning("stream of job %s lost Redis (%s); resubscribing", self._job_id, exc,
-                            extra={"job_id": self._job_id})
-                await self.close()
-                pending = []
-                await asyncio.sleep(self._queue.poll_interval_s / 4)
-
-    async def _next_live(self) -> list[dict[str, Any]]:
-        """The next events: the live message itself when it follows on, else what the log holds."""
-        assert self._pubsub is not None
-        msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=self._queue.poll_interval_s)
-        if msg is None:
-            return await self._replay_or_end()
-        raw: dict[str, Any] = json.loads(msg["data"])
-        if raw["seq"] <= self._last + 1:
-            return [raw]
-        return await self._queue.replay(self._job_id, self._last)
-
-    async def _replay_or_end(self) -> list[dict[str, Any]]:
-        """The log after the last seq seen; when it has nothing new, an end the log cannot show, if any."""
-        entries = await self._queue.replay(self._job_id, self._last)
-        if entries:
-            return entries
-        record = await self._queue.get(self._job_id)
-        if record is None:
-            return [{"type": "error", "seq": self._last + 1, "message": f"job {self._job_id} not found or expired"}]
-        if record.status.is_terminal:
-            # It may have finished since the read above: its last events are in the log now, if anywhere.
-            entries = await self._queue.replay(self._job_id, self._last)
-            # Else the log ended at or before ``after_seq`` (a client resuming after the end): end again.
-            return entries or [{"type": "done", "seq": max(self._last, 1), "again": True}]
-        return []
-
-    async def _expand(self, raw: dict[str, Any]) -> StreamEvent:
-        """The log's done marker carries only the status; readers get the full final record."""
-        if raw.get("type") == "done":
-            record = await self._queue.get(self._job_id)
-            if record is None:
-                return ErrorEvent(seq=raw["seq"], message=f"job {self._job_id} expired")
-            return DoneEvent(seq=raw["seq"], job=record)
-        return STREAM_EVENTS.validate_python(raw)

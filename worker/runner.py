@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from redis.exceptions import OutOfMemoryError
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from shared.config import Settings
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLAIMS_PER_STEP = 16  # jobs claimed between two engine steps at most, so a deep queue cannot stall decoding
 REDIS_RETRY_S = 300.0  # a Redis outage longer than this ends the worker (exit 1) for its supervisor to restart
+# What the worker waits out, retrying: an outage, and a full Redis (maxmemory with noeviction refuses writes until
+# results expire or memory is added). Exiting instead would restart the worker into the same wall and lose the
+# work of every running job.
+RETRYABLE_ERRORS = (*TRANSIENT_ERRORS, OutOfMemoryError)
 TASK_STOP_S = 2.0  # how long shutdown waits for the heartbeat and cancellation tasks to unwind
 # The lifecycle event of a job this worker released, by the status the release left it in.
 RELEASE_EVENTS: dict[str, LifecycleEvent] = {"queued": "released", "failed": "dead_lettered", "cancelled": "cancelled"}
@@ -54,7 +59,7 @@ class Runner:
         self._started_at = time.time()
         self._redis_retry_s = redis_retry_s
         self._active: dict[str, ActiveJob] = {}
-        self._lost: set[str] = set()
+        self._lost: set[tuple[str, int]] = set()  # (job id, fence) of attempts whose lease was lost
         self._cancelled: set[str] = set()
         self._stop = asyncio.Event()
         self._nudge = asyncio.Event()  # set when a job may be waiting in the queue, or a stop was requested
@@ -203,7 +208,8 @@ class Runner:
             refused = {job.job_id for (job, _), ok in zip(published, accepted, strict=True) if not ok}
             self._first_tokens([job for job, _ in published if job.job_id not in refused])
         done_ids = {job.job_id for job in finished}
-        self._lost.update(refused - done_ids)
+        self._lost.update((job.job_id, job.claim.fence) for job, _ in published
+                          if job.job_id in refused and job.job_id not in done_ids)
         for job in finished:
             if job.job_id in refused:
                 log.warning("job %s dropped: lease lost", job.job_id, extra=self._fields("lease_lost", job.job_id))
@@ -261,8 +267,14 @@ class Runner:
     # --- control: lost leases, cancellations, heartbeat -------------------------------------------------------
 
     async def _apply_control(self) -> None:
-        """Abort jobs whose lease was lost (dropped) and jobs cancelled by a client (completed as cancelled)."""
-        lost, self._lost = self._lost & self._active.keys(), set()
+        """Abort jobs whose lease was lost (dropped) and jobs cancelled by a client (completed as cancelled).
+
+        A lost lease is matched by fence, not only by job id: the queue may have handed the job back to this
+        very worker (a new attempt, a new fence) before the old attempt's refusal arrived.
+        """
+        lost = [job_id for job_id, fence in self._lost
+                if (job := self._active.get(job_id)) is not None and job.claim.fence == fence]
+        self._lost = set()
         for job_id in lost:
             job = self._active.pop(job_id)
             await self._on_engine(self._abort_all, job.unfinished_request_ids())
@@ -286,7 +298,8 @@ class Runner:
             await asyncio.sleep(self._settings.heartbeat_interval_s)
             try:
                 fences = {job_id: job.claim.fence for job_id, job in self._active.items()}
-                self._lost.update(await self._redis(self._queue.renew, self._worker_id, fences))
+                lost_ids = await self._redis(self._queue.renew, self._worker_id, fences)
+                self._lost.update((job_id, fences[job_id]) for job_id in lost_ids)
                 await self._redis(self._queue.register_worker, await self._info(), self._card)
                 for recovered in await self._redis(self._queue.reap):
                     self._metrics.on_requeue_status(recovered.status)
@@ -327,7 +340,7 @@ class Runner:
                 await self._on_engine(self._abort_all, job.unfinished_request_ids())
                 await self._release(job, charge_attempt=False, give_up_s=patience)
             await self._redis(self._queue.deregister_worker, self._worker_id, give_up_s=patience)
-        except TRANSIENT_ERRORS as exc:
+        except RETRYABLE_ERRORS as exc:
             log.error("could not release jobs or deregister (%s); their leases will expire", exc)
         finally:
             self._active.clear()
@@ -355,9 +368,10 @@ class Runner:
         return await self._engine_thread.call(fn, *args)
 
     async def _redis(self, fn: Callable[..., Awaitable[T]], *args: Any, give_up_s: float | None = None) -> T:
-        """A queue call, retried through Redis outages (restart, failover) with jittered exponential backoff."""
+        """A queue call, retried through Redis outages (restart, failover) and a full Redis (OOM), with jittered
+        exponential backoff."""
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(TRANSIENT_ERRORS), wait=wait_random_exponential(multiplier=0.05, max=2.0),
+            retry=retry_if_exception_type(RETRYABLE_ERRORS), wait=wait_random_exponential(multiplier=0.05, max=2.0),
             stop=stop_after_delay(give_up_s if give_up_s is not None else self._redis_retry_s),
             before_sleep=before_sleep_log(log, logging.WARNING),
             reraise=True)

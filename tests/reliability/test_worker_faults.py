@@ -43,18 +43,18 @@ def greedy(tiny_llama: Path) -> dict[str, list[int]]:
         return {p: reference_greedy(model, tokenizer.encode(p), params) for p in PROMPTS}
 
 
-async def _running_on(redis: Redis, job_ids: list[str], worker_id: str, min_events: int) -> list[str]:
-    """The jobs running on ``worker_id`` that have published at least ``min_events`` events."""
-    held = []
+async def _running_on(redis: Redis, job_ids: list[str], worker_id: str, min_events: int) -> dict[str, int]:
+    """The jobs running on ``worker_id`` that have published at least ``min_events`` events, with how many."""
+    held = {}
     for job_id in job_ids:
         status, wid, seq = await redis.hmget(keys.job(job_id), "status", "worker_id", "seq")
         if status == b"running" and wid == worker_id.encode() and int(seq or 0) >= min_events:
-            held.append(job_id)
+            held[job_id] = int(seq)
     return held
 
 
 async def _wait_running_on(redis: Redis, job_ids: list[str], worker: WorkerProcess, count: int,
-                           min_events: int = 3, timeout_s: float = 60) -> list[str]:
+                           min_events: int = 3, timeout_s: float = 60) -> dict[str, int]:
     deadline = time.monotonic() + timeout_s
     while len(held := await _running_on(redis, job_ids, worker.worker_id, min_events)) < count:
         assert time.monotonic() < deadline, worker.log_tail()
@@ -83,6 +83,7 @@ async def test_kill_9_while_20_jobs_stream_every_job_finishes_with_the_greedy_te
         await _wait_running_on(redis, job_ids, victim, count=4)
         victim.signal(signal.SIGKILL)
         victim.wait(10)
+        await asyncio.sleep(0.1)  # a script the victim sent just before dying still lands
         held = await _running_on(redis, job_ids, victim.worker_id, min_events=1)  # its lease has not run out yet
         assert held
         results = await asyncio.wait_for(asyncio.gather(*streams), 120)
@@ -92,9 +93,10 @@ async def test_kill_9_while_20_jobs_stream_every_job_finishes_with_the_greedy_te
         assert stream.ids[0] == 1
         assert stream.final["choices"][0]["token_ids"] == greedy[prompt], stream.job_id
     by_id = {s.job_id: s for s in results}
-    for job_id in held:  # the killed worker's jobs: restarted once, finished by the survivor
+    for job_id, num_events in held.items():  # the killed worker's jobs: restarted once, finished by the survivor
         stream = by_id[job_id]
-        assert stream.kinds.count("restart") == 1 and stream.kinds.index("restart") > 2, stream.kinds[:6]
+        # Every event the victim published came first (its lease had not run out: nobody else ran the job).
+        assert stream.kinds.count("restart") == 1 and stream.kinds.index("restart") == num_events, stream.kinds[:6]
         assert (stream.final["worker_id"], stream.final["attempts"]) == (survivor.worker_id, 2)
     assert survivor.proc is not None and survivor.proc.poll() is None
 

@@ -1,0 +1,126 @@
+"""One job's event stream as a reader sees it: the replay log for history and gaps, pub/sub for live delivery.
+
+Each seq comes once and in order, whatever was missed during a reconnect or published between subscribing and
+the first replay; the stream ends with the job's DoneEvent, or an ErrorEvent when the job does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from pydantic import TypeAdapter
+from redis.asyncio.client import PubSub
+
+from shared import keys
+from shared.pubsub import TRANSIENT_ERRORS, close_quietly, subscribe_confirmed
+from shared.schemas import DoneEvent, ErrorEvent, RestartEvent, StreamEvent, TokenEvent
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from shared.queue import JobQueue
+
+log = logging.getLogger(__name__)
+
+STREAM_EVENTS: TypeAdapter[TokenEvent | RestartEvent | DoneEvent | ErrorEvent] = TypeAdapter(StreamEvent)
+
+
+def entry_event(fields: dict[Any, Any]) -> dict[str, Any]:
+    """The event JSON of one replay-log entry (field ``data``), decoded responses or not."""
+    event: dict[str, Any] = json.loads(fields[b"data"] if b"data" in fields else fields["data"])
+    return event
+
+
+class JobStreamReader:
+    """One reader of one job's events: pub/sub for live delivery, the replay log for history and gaps."""
+
+    def __init__(self, queue: JobQueue, job_id: str, after_seq: int) -> None:
+        self._queue = queue
+        self._job_id = job_id
+        self._last = after_seq
+        self._pubsub: PubSub | None = None
+
+    async def subscribe(self) -> None:
+        pubsub = self._queue.redis.pubsub()
+        try:
+            await subscribe_confirmed(pubsub, keys.job_live(self._job_id))
+        except BaseException:
+            await close_quietly(pubsub)
+            raise
+        self._pubsub = pubsub
+
+    async def close(self) -> None:
+        if self._pubsub is not None:
+            await close_quietly(self._pubsub)
+            self._pubsub = None
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """Replay after ``after_seq``, then live events, each seq once and in order.
+
+        A live message that follows on from the last seq is used as is; an older one is a duplicate of the
+        replay and dropped; a newer one means something was missed, and the log fills the gap. After a quiet
+        ``poll_interval_s`` or a reconnect the log is read again and the job checked, so a finished or expired
+        job never leaves the reader waiting.
+        """
+        pending: list[dict[str, Any]] | None = None  # None: the first replay is still to do
+        while True:
+            try:
+                if pending is None:  # inside the try: Redis may go away between subscribing and this first read
+                    pending = await self._replay_or_end()
+                for raw in pending:
+                    if raw["seq"] <= self._last and not raw.get("again"):
+                        continue
+                    event = await self._expand(raw)
+                    self._last = event.seq
+                    yield event
+                    if isinstance(event, DoneEvent | ErrorEvent):
+                        return
+                if self._pubsub is None:  # lost in a Redis outage: subscribe again, then catch up from the log
+                    await self.subscribe()
+                    pending = await self._replay_or_end()
+                else:
+                    pending = await self._next_live()
+            except TRANSIENT_ERRORS as exc:
+                log.warning("stream of job %s lost Redis (%s); resubscribing", self._job_id, exc,
+                            extra={"job_id": self._job_id})
+                await self.close()
+                pending = []
+                await asyncio.sleep(self._queue.poll_interval_s / 4)
+
+    async def _next_live(self) -> list[dict[str, Any]]:
+        """The next events: the live message itself when it follows on, else what the log holds."""
+        assert self._pubsub is not None
+        msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=self._queue.poll_interval_s)
+        if msg is None:
+            return await self._replay_or_end()
+        raw: dict[str, Any] = json.loads(msg["data"])
+        if raw["seq"] <= self._last + 1:
+            return [raw]
+        return await self._queue.replay(self._job_id, self._last)
+
+    async def _replay_or_end(self) -> list[dict[str, Any]]:
+        """The log after the last seq seen; when it has nothing new, an end the log cannot show, if any."""
+        entries = await self._queue.replay(self._job_id, self._last)
+        if entries:
+            return entries
+        record = await self._queue.get(self._job_id)
+        if record is None:
+            return [{"type": "error", "seq": self._last + 1, "message": f"job {self._job_id} not found or expired"}]
+        if record.status.is_terminal:
+            # It may have finished since the read above: its last events are in the log now, if anywhere.
+            entries = await self._queue.replay(self._job_id, self._last)
+            # Else the log ended at or before ``after_seq`` (a client resuming after the end): end again.
+            return entries or [{"type": "done", "seq": max(self._last, 1), "again": True}]
+        return []
+
+    async def _expand(self, raw: dict[str, Any]) -> StreamEvent:
+        """The log's done marker carries only the status; readers get the full final record."""
+        if raw.get("type") == "done":
+            record = await self._queue.get(self._job_id)
+            if record is None:
+                return ErrorEvent(seq=raw["seq"], message=f"job {self._job_id} expired")
+            return DoneEvent(seq=raw["seq"], job=record)
+        return STREAM_EVENTS.validate_python(raw)

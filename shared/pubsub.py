@@ -1,0 +1,75 @@
+"""Redis pub/sub as tokenspool uses it: confirmed subscriptions, closing connections that may be broken, and a
+channel listener that survives Redis restarts.
+
+Pub/sub delivers at most once and only to connected subscribers, so every listener here pairs its channel with a
+durable source it re-reads after a reconnect or a quiet interval (``resync``); what matters is never in pub/sub
+alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import suppress
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger(__name__)
+
+SUBSCRIBE_TIMEOUT_S = 10.0
+# Redis errors a stream or channel listener rides out by reconnecting.
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+async def subscribe_confirmed(pubsub: PubSub, channel: str) -> None:
+    """Subscribe and wait for Redis to confirm, so nothing published afterwards can be missed."""
+    await pubsub.subscribe(channel)
+    deadline = asyncio.get_running_loop().time() + SUBSCRIBE_TIMEOUT_S
+    while asyncio.get_running_loop().time() < deadline:
+        msg = await pubsub.get_message(timeout=1.0)
+        if msg is not None and msg["type"] in ("subscribe", b"subscribe"):
+            return
+    raise RedisTimeoutError(f"no confirmation of SUBSCRIBE {channel} within {SUBSCRIBE_TIMEOUT_S} s")
+
+
+async def close_quietly(pubsub: PubSub) -> None:
+    """Close a pub/sub connection that may already be broken."""
+    with suppress(*TRANSIENT_ERRORS):
+        # Bounded: closing a connection whose reader was just cancelled can wait on a lock forever.
+        async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S / 5):
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+async def listen(redis: Redis, channel: str, resync: Callable[[], Awaitable[list[str]]], name: str,
+                 poll_s: float) -> AsyncGenerator[str, None]:
+    """Messages of a pub/sub channel (decoded), surviving Redis restarts: after each (re)subscription and each
+    quiet ``poll_s`` the items of ``resync`` (what messages may have been missed) come too."""
+    pubsub: PubSub | None = None
+    try:
+        while True:
+            try:
+                if pubsub is None:
+                    pubsub = redis.pubsub()
+                    await subscribe_confirmed(pubsub, channel)
+                    for item in await resync():
+                        yield item
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
+                for item in [_text(msg["data"])] if msg is not None else await resync():
+                    yield item
+            except TRANSIENT_ERRORS as exc:
+                log.warning("%s lost (%s); reconnecting", name, exc)
+                if pubsub is not None:
+                    await close_quietly(pubsub)
+                pubsub = None
+                await asyncio.sleep(poll_s / 4)
+    finally:
+        if pubsub is not None:
+            await close_quietly(pubsub)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

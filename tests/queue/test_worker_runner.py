@@ -1,0 +1,205 @@
+"""The runner in process: a real ``Runner`` around a tiny random Llama on its ``EngineThread``, a real Redis.
+
+A step's events are published while the next step computes, except after a job's first token (the queue's
+``publish_many`` is slowed down, a subclass, so that steps and deliveries overlap visibly in a timeline); a job
+handed back to the same worker runs to the end; a full Redis is waited out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from queue_helpers import make_job, queue_settings
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.queue import ClaimedJob, JobQueue
+from shared.schemas import GenerationParams, JobStatus, RestartEvent, TokenEvent
+from worker.engine import Engine
+from worker.engine_thread import EngineThread
+from worker.main import engine_config
+from worker.runner import Runner
+
+PUBLISH_DELAY_S = 0.1
+NUM_TOKENS = 6
+
+
+@dataclass
+class Timeline:
+    """When each engine step and each publish ran (time.monotonic()), which seqs each publish carried, and
+    each claim's (max_jobs, number of jobs claimed)."""
+
+    steps: list[tuple[float, float]] = field(default_factory=list)
+    publishes: list[tuple[float, float, list[int]]] = field(default_factory=list)
+    claims: list[tuple[int, int]] = field(default_factory=list)
+
+
+class ObservedQueue(JobQueue):
+    """The worker's JobQueue, recording claims, and with publishes ``PUBLISH_DELAY_S`` slower (a slow network)."""
+
+    def __init__(self, redis: Redis, timeline: Timeline, **kwargs: object) -> None:
+        super().__init__(redis, **kwargs)  # type: ignore[arg-type]
+        self._timeline = timeline
+
+    async def claim(self, model: str, worker_id: str, max_jobs: int) -> list[ClaimedJob]:
+        jobs = await super().claim(model, worker_id, max_jobs)
+        self._timeline.claims.append((max_jobs, len(jobs)))
+        return jobs
+
+    async def publish_many(self, batches: Iterable[tuple[str, int, Sequence[TokenEvent | RestartEvent]]]
+                           ) -> list[bool]:
+        batches = list(batches)
+        started = time.monotonic()
+        await asyncio.sleep(PUBLISH_DELAY_S)
+        accepted = await super().publish_many(batches)
+        self._timeline.publishes.append((started, time.monotonic(), [e.seq for _, _, evs in batches for e in evs]))
+        return accepted
+
+
+@dataclass
+class Harness:
+    """A runner serving ``tiny`` in this process (started by ``start``), a plain client queue, the timeline."""
+
+    runner: Runner
+    queue: JobQueue
+    timeline: Timeline
+    task: asyncio.Task[int] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.runner.run())
+
+
+@pytest.fixture()
+async def harness(redis_url: str, tiny_llama: Path) -> AsyncIterator[Harness]:
+    settings = queue_settings(redis_url, model=str(tiny_llama), model_name="tiny", device="cpu", num_threads=1,
+                              lease_ttl_s=5, heartbeat_interval_s=0.5, num_kv_blocks=64, max_num_seqs=4)
+    timeline = Timeline()
+    engine_thread = EngineThread()
+    engine = await asyncio.to_thread(engine_thread.build, lambda: Engine(engine_config(settings)))
+    real_step = engine.step
+
+    def timed_step():  # type: ignore[no-untyped-def]
+        started = time.monotonic()
+        outputs = real_step()
+        timeline.steps.append((started, time.monotonic()))
+        return outputs
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    worker_redis, client_redis = Redis.from_url(redis_url), Redis.from_url(redis_url)
+    runner = Runner(engine, engine_thread, ObservedQueue(worker_redis, timeline, settings=settings), settings,
+                    "runner-w1")
+    harness = Harness(runner, JobQueue(client_redis, settings, poll_interval_s=0.5), timeline)
+    try:
+        yield harness
+    finally:
+        runner.request_stop()
+        if harness.task is not None:
+            assert await asyncio.wait_for(harness.task, 30) == 0
+        else:
+            engine_thread.shutdown()
+        await worker_redis.aclose()
+        await client_redis.aclose()
+
+
+@pytest.fixture()
+async def served(harness: Harness) -> tuple[JobQueue, Timeline]:
+    """The harness's runner, already serving."""
+    harness.start()
+    return harness.queue, harness.timeline
+
+
+async def _wait_final(queue: JobQueue, job_id: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (record := await queue.get(job_id)) is None or not record.status.is_terminal:
+        assert time.monotonic() < deadline, f"job {job_id} did not finish"
+        await asyncio.sleep(0.02)
+
+
+async def test_steps_do_not_wait_for_publishing_but_first_tokens_go_out_first(
+        served: tuple[JobQueue, Timeline]) -> None:
+    queue, timeline = served
+    job = make_job(prompt="Once upon a time", params=GenerationParams(max_tokens=NUM_TOKENS, temperature=0,
+                                                                       ignore_eos=True))
+    await queue.submit(job)
+    await _wait_final(queue, job.id)
+
+    record = await queue.get(job.id)
+    assert record is not None and record.status is JobStatus.SUCCEEDED
+    assert record.usage.completion_tokens == NUM_TOKENS
+    # Every token went out, in seq order, one publish per step, each finished before the result was written.
+    assert [seq for _, _, seqs in timeline.publishes for seq in seqs] == list(range(1, NUM_TOKENS + 1))
+    log = await queue.replay(job.id, 0)
+    assert [e["type"] for e in log] == ["token"] * NUM_TOKENS + ["done"]
+    assert "".join(e["text"] for e in log[:-1]) == record.choices[0].text
+
+    first_published_at = timeline.publishes[0][1]
+    first_token_step = next(i for i, (_, end) in enumerate(timeline.steps) if end <= timeline.publishes[0][0])
+    later_steps = timeline.steps[first_token_step + 1:]
+    # The first token was published before the next step began ...
+    assert later_steps and later_steps[0][0] >= first_published_at
+    # ... while every later token's publish overlapped the step after it: a step ran while it was in flight.
+    for started, ended, _ in timeline.publishes[1:-1]:
+        assert any(s < ended and e > started for s, e in later_steps), (started, ended, later_steps)
+
+
+async def test_a_job_handed_back_to_the_same_worker_runs_to_the_end(served: tuple[JobQueue, Timeline],
+                                                                     redis_url: str) -> None:
+    """The lease of a running job expires and the queue gives the job straight back to the same worker (it is
+    the only one, and woken). The old attempt's publishes are refused while the new attempt runs: that must
+    drop the old attempt only (matched by fence), not the new one, which finishes as attempt 2."""
+    queue, timeline = served
+    job = make_job(prompt="Once upon a time", params=GenerationParams(max_tokens=60, temperature=0, ignore_eos=True))
+    await queue.submit(job)
+    while len(timeline.publishes) < 3:  # running, with deliveries in flight behind the steps
+        await asyncio.sleep(0.01)
+    await queue.redis.zadd(keys.INFLIGHT, {job.id: 0})  # the lease expired ...
+    assert [r.job_id for r in await queue.reap()] == [job.id]  # ... and the job is queued again (attempt 2)
+
+    await _wait_final(queue, job.id, timeout_s=20)
+    record = await queue.get(job.id)
+    assert record is not None and record.status is JobStatus.SUCCEEDED, record
+    assert record.attempts == 2 and record.usage.completion_tokens == 60
+
+
+async def test_a_full_redis_is_waited_out(served: tuple[JobQueue, Timeline]) -> None:
+    """maxmemory reached with noeviction: Redis refuses every write (OOM). The worker retries, as through an
+    outage, instead of exiting; once memory is available the job finishes as its first attempt."""
+    queue, timeline = served
+    job = make_job(prompt="Once upon a time", params=GenerationParams(max_tokens=40, temperature=0, ignore_eos=True))
+    await queue.submit(job)
+    while len(timeline.publishes) < 2:
+        await asyncio.sleep(0.01)
+    await queue.redis.config_set("maxmemory", 1)  # any write now fails: OOM command not allowed
+    try:
+        published = len(timeline.publishes)
+        await asyncio.sleep(1.5)
+        assert len(timeline.publishes) == published  # nothing got through meanwhile
+    finally:
+        await queue.redis.config_set("maxmemory", 0)
+
+    await _wait_final(queue, job.id, timeout_s=20)
+    record = await queue.get(job.id)
+    assert record is not None and record.status is JobStatus.SUCCEEDED, record
+    assert record.attempts == 1 and record.usage.completion_tokens == 40
+
+
+async def test_waiting_jobs_are_claimed_together(harness: Harness) -> None:
+    """Jobs already queued when the worker looks are claimed in one call, as many as the engine has seats for
+    (``max_num_seqs`` = 4): one round trip for a burst, not one per job and step."""
+    jobs = [make_job(prompt=f"Story {i}", params=GenerationParams(max_tokens=4, temperature=0, ignore_eos=True))
+            for i in range(6)]
+    for job in jobs:
+        await harness.queue.submit(job)
+    harness.start()
+    for job in jobs:
+        await _wait_final(harness.queue, job.id)
+
+    assert harness.timeline.claims[0] == (4, 4)  # the first look: four seats, four jobs, one call
+    assert sum(n for _, n in harness.timeline.claims) == 6
+    records = [await harness.queue.get(job.id) for job in jobs]
+    assert all(r is not None and r.status is JobStatus.SUCCEEDED for r in records)
