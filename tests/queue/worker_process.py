@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 
 from shared import keys
-from shared.queue import JobQueue
+from shared.queue import TRANSIENT_ERRORS, JobQueue
 from shared.schemas import JobRecord, RestartEvent, StreamEvent, TokenEvent
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,9 +66,13 @@ class WorkerProcess:
 
 
 async def wait_final(queue: JobQueue, job_id: str, timeout_s: float = 60.0) -> JobRecord:
+    """Poll until the job ends, riding out a Redis restart as a real client does (retrying the read)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        record = await queue.get(job_id)
+        try:
+            record = await queue.get(job_id)
+        except TRANSIENT_ERRORS:
+            record = None
         if record is not None and record.status.is_terminal:
             return record
         await asyncio.sleep(0.05)
