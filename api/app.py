@@ -53,7 +53,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     if settings.redis_url is None:
         raise ValueError("redis_url: the API needs a Redis URL (run_api starts an embedded Redis when unset)")
-    client = aioredis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    # Each open SSE stream holds a pub/sub connection from this pool until it ends: redis-py's default cap
+    # (100) failed every stream past the hundredth with "Too many connections" (benchmarks/api_relay.py).
+    client = aioredis.Redis.from_url(settings.redis_url, health_check_interval=30,
+                                     max_connections=settings.redis_max_connections)
     queue = JobQueue(client, settings)
     app.state.resources = Resources(redis=client, queue=queue,
                                     catalog=ModelCatalog(queue, settings.served_model_name))

@@ -45,6 +45,8 @@ class Settings(BaseSettings):
     max_tokens_cap: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(8, ge=1, description="largest n (choices per request)")
     max_batch_size: int = Field(256, ge=1, description="most prompts in one POST /v1/jobs/batch")
+    redis_max_connections: int = Field(
+        10_000, ge=16, description="API's Redis connections at most; each open stream holds one")
 
     # --- worker / engine -----------------------------------------------------------------------------
     model: str = Field("smollm2", description="built-in name, local HF folder or .gguf file")

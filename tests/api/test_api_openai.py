@@ -96,8 +96,10 @@ async def test_async_client_streams_and_waits(api: ApiServer, worker: FakeWorker
     await client.close()
 
 
-async def test_fifty_concurrent_streams_each_get_their_complete_text(api: ApiServer, start_worker: object) -> None:
-    start_worker(token_delay_s=0.01)  # type: ignore[operator]
+async def test_150_concurrent_streams_each_get_their_complete_text(api: ApiServer, start_worker: object) -> None:
+    """More open streams than redis-py's default connection pool holds (100): each stream holds a pub/sub
+    connection while it is open, and ~1 s per job keeps all of them open at once."""
+    start_worker(token_delay_s=0.05)  # type: ignore[operator]
     client = openai.AsyncOpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0, timeout=60,
                                 http_client=None)
 
@@ -108,7 +110,7 @@ async def test_fifty_concurrent_streams_each_get_their_complete_text(api: ApiSer
         )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
-    texts = await asyncio.gather(*(one(i) for i in range(50)))
+    texts = await asyncio.gather(*(one(i) for i in range(150)))
     await client.close()
     for i, text in enumerate(texts):
         assert text == expected_text(f"client{i} says hello", 20)
