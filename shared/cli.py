@@ -44,7 +44,7 @@ COMMAND_FIELDS: dict[str, tuple[str, ...]] = {
 
 # `bench serve` is the installed load generator (shared/loadgen.py); the others are scripts in benchmarks/.
 BENCHMARKS = {"offline": "offline_throughput.py", "queue-cost": "serve.py", "speculative": "speculative.py",
-              "serve": ""}
+              "api-relay": "api_relay.py", "serve": ""}
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

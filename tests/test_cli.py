@@ -160,6 +160,8 @@ def test_models_prepare_missing_model_fails_with_the_path(
 def test_bench_runs_the_benchmark_scripts(capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "offline", "--help"]) == 0
     assert "--workloads" in capfd.readouterr().out
+    assert main(["bench", "api-relay", "--help"]) == 0
+    assert "--step-ms" in capfd.readouterr().out
 
 
 def test_readme_settings_table_is_current() -> None:
