@@ -130,7 +130,8 @@ class FakeWorker:
 
     async def _run(self, registered: Future[None]) -> None:
         self._stop = asyncio.Event()
-        client = aioredis.Redis.from_url(self.redis_url)
+        # One task per job, each publishing on its own: more than redis-py's default pool (100) at once.
+        client = aioredis.Redis.from_url(self.redis_url, max_connections=1000)
         queue = JobQueue(client, self.settings, poll_interval_s=0.2)
         await queue.register_worker(self._info(), self.card)
         registered.set_result(None)
