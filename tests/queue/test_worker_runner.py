@@ -206,3 +206,22 @@ async def test_waiting_jobs_are_claimed_together(harness: Harness) -> None:
     assert sum(n for _, n in harness.timeline.claims) == 6
     records = [await harness.queue.get(job.id) for job in jobs]
     assert all(r is not None and r.status is JobStatus.SUCCEEDED for r in records)
+
+
+async def test_a_cancelled_jobs_result_comes_after_its_last_events(served: tuple[JobQueue, Timeline]) -> None:
+    """Cancelled while a delivery is in flight: the result (the log's done marker) waits for it, so the log
+    never holds a token after its end."""
+    queue, timeline = served
+    job = make_job(prompt="Once upon a time", params=GenerationParams(max_tokens=200, temperature=0, ignore_eos=True))
+    await queue.submit(job)
+    while len(timeline.publishes) < 3:
+        await asyncio.sleep(0.01)
+    await queue.cancel(job.id)
+
+    await _wait_final(queue, job.id)
+    record = await queue.get(job.id)
+    assert record is not None and record.status is JobStatus.CANCELLED
+    log = await queue.replay(job.id, 0)
+    assert [e["type"] for e in log] == ["token"] * (len(log) - 1) + ["done"]
+    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
+    assert "".join(e["text"] for e in log[:-1]) == record.choices[0].text
