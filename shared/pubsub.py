@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import suppress
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
@@ -58,7 +59,7 @@ async def listen(redis: Redis, channel: str, resync: Callable[[], Awaitable[list
                     for item in await resync():
                         yield item
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
-                for item in [_text(msg["data"])] if msg is not None else await resync():
+                for item in [as_text(msg["data"])] if msg is not None else await resync():
                     yield item
             except TRANSIENT_ERRORS as exc:
                 log.warning("%s lost (%s); reconnecting", name, exc)
@@ -71,5 +72,6 @@ async def listen(redis: Redis, channel: str, resync: Callable[[], Awaitable[list
             await close_quietly(pubsub)
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def as_text(value: Any) -> str:
+    """Redis replies as text, whether or not the client decodes responses."""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -23,7 +23,7 @@ from shared import keys
 from shared.config import Settings
 from shared.job_stream import JobStreamReader, entry_event
 from shared.lifecycle_log import LifecycleEvent, job_fields
-from shared.pubsub import TRANSIENT_ERRORS, listen
+from shared.pubsub import TRANSIENT_ERRORS, as_text, listen
 from shared.schemas import (
     JobRecord,
     JobResult,
@@ -91,14 +91,9 @@ def priority_of_score(score: float) -> int:
     return -math.floor(score / PRIORITY_STRIDE)
 
 
-def _text(value: Any) -> str:
-    """Redis replies as text, whether or not the client decodes responses."""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _pairs(flat: Sequence[Any]) -> dict[str, str]:
     """A flat ``[field, value, ...]`` script reply (HGETALL inside Lua) as a dict."""
-    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+    return {as_text(flat[i]): as_text(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 def _float(fields: dict[str, str], name: str) -> float | None:
@@ -175,7 +170,7 @@ class JobQueue:
                                                                    keys.queue_wake(job.model)])
         except ResponseError as exc:
             raise ValueError(f"id: {exc}") from exc
-        outcome = _text(reply[0])
+        outcome = as_text(reply[0])
         if outcome == "full":
             retry_after = max(1, math.ceil(self._settings.heartbeat_interval_s))
             raise QueueFullError(job.model, int(reply[1]), retry_after)
@@ -184,7 +179,7 @@ class JobQueue:
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or None when it does not exist (never did, or its result TTL ran out)."""
         raw = await self._redis.hgetall(keys.job(job_id))
-        return record_from_fields({_text(k): _text(v) for k, v in raw.items()}) if raw else None
+        return record_from_fields({as_text(k): as_text(v) for k, v in raw.items()}) if raw else None
 
     async def get_submission(self, job_id: str) -> JobSubmission | None:
         """The job as submitted (owner, background flag, params), or None if missing or malformed."""
@@ -225,7 +220,7 @@ class JobQueue:
 
     async def model_names(self) -> list[str]:
         """Names of the models any worker ever published a card for (cheap: the cards are not read)."""
-        return sorted(_text(x) for x in await self._redis.hkeys(keys.MODEL_CARDS))
+        return sorted(as_text(x) for x in await self._redis.hkeys(keys.MODEL_CARDS))
 
     async def reap_expired(self) -> int:
         """Recover jobs whose lease expired: requeue, or fail and dead-letter after ``max_attempts``."""
@@ -238,7 +233,7 @@ class JobQueue:
             reply = await self._scripts.reap(keys=[keys.INFLIGHT, keys.DEAD_LETTER, keys.WORKERS],
                                              args=[self._ctx, REAP_BATCH])
             for raw_id, model, worker_id, status in reply[1:]:
-                job = RecoveredJob(_text(raw_id), _text(model), _text(worker_id) or None, _text(status))
+                job = RecoveredJob(as_text(raw_id), as_text(model), as_text(worker_id) or None, as_text(status))
                 log.warning("job %s: lease of worker %s expired; job %s", job.job_id, job.worker_id, job.status,
                             extra=job_fields(_REQUEUE_EVENTS[job.status], job.job_id, job.model, job.worker_id))
                 recovered.append(job)
@@ -247,7 +242,7 @@ class JobQueue:
 
     async def dead_letters(self) -> list[str]:
         """Ids of jobs given up on after ``max_attempts``, oldest first."""
-        return [_text(x) for x in await self._redis.zrange(keys.DEAD_LETTER, 0, -1)]
+        return [as_text(x) for x in await self._redis.zrange(keys.DEAD_LETTER, 0, -1)]
 
     async def num_dead_letters(self) -> int:
         """How many jobs the dead-letter set holds (entries are pruned after 7 days)."""
@@ -257,7 +252,7 @@ class JobQueue:
         """Workers whose last heartbeat is within one lease TTL (by Redis time)."""
         seconds, micros = await self._redis.time()
         cutoff = seconds + micros / 1e6 - self._settings.lease_ttl_s
-        ids = [_text(x) for x in await self._redis.zrangebyscore(keys.WORKERS, cutoff, "+inf")]
+        ids = [as_text(x) for x in await self._redis.zrangebyscore(keys.WORKERS, cutoff, "+inf")]
         if not ids:
             return []
         infos = await self._redis.mget([keys.worker_info(i) for i in ids])
@@ -317,7 +312,7 @@ class JobQueue:
                                           args=[self._ctx, worker_id, max_jobs])
         claimed = []
         for raw_id, raw_sub, fence, attempt in reply:
-            job_id = _text(raw_id)
+            job_id = as_text(raw_id)
             try:
                 submission = JobSubmission.model_validate_json(raw_sub)
                 if submission.id != job_id or submission.model != model:
@@ -338,7 +333,7 @@ class JobQueue:
         args: list[str | int] = [self._ctx, worker_id]
         for job_id, fence in fences.items():
             args += [job_id, fence]
-        return [_text(x) for x in await self._scripts.renew(keys=[keys.INFLIGHT], args=args)]
+        return [as_text(x) for x in await self._scripts.renew(keys=[keys.INFLIGHT], args=args)]
 
     async def publish(self, job_id: str, fence: int, events: Sequence[TokenEvent | RestartEvent]) -> bool:
         """Append events to the job's replay log and channel. False: stale fence, the job is no longer ours."""
@@ -398,7 +393,7 @@ class JobQueue:
         it was dead-lettered; ``cancelled`` when a cancel was pending), or None for a stale fence."""
         reply = await self._scripts.release(keys=[keys.job(job_id), keys.INFLIGHT, keys.DEAD_LETTER],
                                             args=[self._ctx, job_id, fence, int(charge_attempt)])
-        status = _text(reply)
+        status = as_text(reply)
         return None if status == "0" else status
 
     def cancellations(self, worker_id: str) -> AsyncGenerator[str, None]:
@@ -406,7 +401,7 @@ class JobQueue:
         from its durable cancel set (so a message missed during a reconnect is not lost). An id may repeat
         until the worker finalises the job."""
         async def pending() -> list[str]:
-            return [_text(job_id) for job_id in await self._redis.smembers(keys.worker_cancels(worker_id))]
+            return [as_text(job_id) for job_id in await self._redis.smembers(keys.worker_cancels(worker_id))]
 
         return listen(self._redis, keys.control(worker_id), pending, f"control channel of {worker_id}", self._poll_s)
 
@@ -428,7 +423,7 @@ class JobQueue:
             entries += [entry_event(fields) for _, fields in chunk if fields]
             if len(chunk) < REPLAY_CHUNK:
                 return entries
-            start = f"({_text(chunk[-1][0])}"
+            start = f"({as_text(chunk[-1][0])}"
 
 
 def _invalid_reason(exc: ValueError) -> str:
