@@ -19,6 +19,7 @@ import uvicorn
 from fake_worker import MODEL, FakeWorker
 
 from api.app import create_app
+from api.http_limits import uvicorn_options
 from shared.config import Settings
 from shared.redis_server import free_port
 
@@ -55,7 +56,7 @@ def start_api(redis_url: str) -> Iterator[Callable[..., ApiServer]]:
         settings = test_settings(redis_url, **overrides)
         port = free_port()
         config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=2)
+                                lifespan="on", timeout_graceful_shutdown=2, **uvicorn_options(settings))
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, name=f"api-{port}", daemon=True)
         thread.start()
