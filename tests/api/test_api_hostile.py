@@ -14,13 +14,15 @@ import httpx
 import pytest
 import redis
 from conftest import ApiServer, wait_until
+from conftest import test_settings as api_settings
 from fake_worker import MODEL, FakeWorker
 from redis.asyncio import Redis
 
+from api.submission import new_job_id
 from shared import keys
 from shared.job_stream import MAX_EVENT_SEQ
 from shared.queue import JobQueue
-from shared.schemas import Choice, JobResult, TokenEvent, Usage
+from shared.schemas import Choice, GenerationParams, JobResult, JobSubmission, TokenEvent, Usage
 
 
 def test_a_batch_retried_after_a_429_is_created_afresh(start_api: Callable[..., ApiServer]) -> None:
@@ -144,3 +146,27 @@ async def test_a_stalled_reader_holds_a_bounded_part_of_the_log(api: ApiServer, 
         sock.close()
     print(f"API heap per stalled stream of a {LOG_EVENTS}-event log: {per_stream / 1024:.0f} KiB")
     assert per_stream < 1024 * 1024, f"{per_stream / 1024:.0f} KiB per stalled stream"
+
+
+async def test_rollback_cancels_running_jobs_too_and_keeps_keys_it_does_not_own(redis_url: str) -> None:
+    """rollback.lua on its own: a job a worker already claimed gets the cancel flag (its worker is told), and an
+    idempotency key that names another job by now is not deleted."""
+    async with Redis.from_url(redis_url) as r:
+        settings = api_settings(redis_url)
+        queue = JobQueue(r, settings)
+        running, queued = (JobSubmission(id=new_job_id(), model=MODEL, prompt=p, idempotency_key=f"k-{p}",
+                                         params=GenerationParams(max_tokens=2)) for p in ("a", "b"))
+        for job in (running, queued):
+            await queue.submit(job)
+        [claimed] = await queue.claim(MODEL, "w-1", 1)
+        assert claimed.submission.id == running.id
+        await r.set(keys.idempotency(None, "k-b"), "someone-else-01")  # the key was taken over meanwhile
+
+        assert await queue.rollback([running.id, queued.id, "no-such-job-01"], "rolled back") == 2
+        assert await r.hget(keys.job(running.id), "cancel") == b"1"
+        assert await r.sismember(keys.worker_cancels("w-1"), running.id)
+        record = await queue.get(queued.id)
+        assert record is not None and record.status.value == "cancelled" and record.error == "rolled back"
+        assert not await r.exists(keys.idempotency(None, "k-a"))
+        assert await r.get(keys.idempotency(None, "k-b")) == b"someone-else-01"
+        assert await queue.queue_depth(MODEL) == 0
