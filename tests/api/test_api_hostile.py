@@ -170,3 +170,31 @@ async def test_rollback_cancels_running_jobs_too_and_keeps_keys_it_does_not_own(
         assert not await r.exists(keys.idempotency(None, "k-a"))
         assert await r.get(keys.idempotency(None, "k-b")) == b"someone-else-01"
         assert await queue.queue_depth(MODEL) == 0
+
+
+def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing(api: ApiServer, worker: FakeWorker) -> None:
+    """The fake worker's card: 512 tokens, longest vocabulary entry 12 characters (credited as 16): no prompt of
+    more than 8192 characters can fit, and one is refused by its length alone; a shorter one is tokenized."""
+    with api.client() as client:
+        over = client.post("/v1/jobs", json={"prompt": "hello " * 1400, "max_tokens": 2})  # 8400 characters
+        under = client.post("/v1/jobs", json={"prompt": "hello " * 1300, "max_tokens": 2})  # 7800, 1300 tokens
+        chat = client.post("/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": "fox " * 2100}], "max_tokens": 2})
+    for response in (over, under, chat):
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert "8192 characters" in over.json()["error"]["message"]
+    assert "1300 in the prompt" in under.json()["error"]["message"]
+    assert chat.json()["error"]["param"] == "messages" and "characters" in chat.json()["error"]["message"]
+
+
+async def test_a_record_without_the_owner_field_is_checked_by_its_submission(redis_url: str) -> None:
+    """Records written before submit.lua copied the owner out still get the owner check (from the submission)."""
+    async with Redis.from_url(redis_url) as r:
+        queue = JobQueue(r, api_settings(redis_url))
+        job = JobSubmission(id=new_job_id(), model=MODEL, prompt="p", owner="a" * 64,
+                            params=GenerationParams(max_tokens=2))
+        await queue.submit(job)
+        assert await queue.get_owner(job.id) == (True, "a" * 64)
+        await r.hdel(keys.job(job.id), "owner")
+        assert await queue.get_owner(job.id) == (True, "a" * 64)
+        assert await queue.get_owner("no-such-job-01") == (False, None)
