@@ -7,6 +7,7 @@ created the job; another key gets the same 404 as a job that does not exist.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -47,6 +48,7 @@ from shared.schemas import (
     check_unicode,
 )
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
@@ -246,8 +248,9 @@ async def _job_event_stream(relay: JobRelay, metrics: MetricsDep) -> AsyncIterat
         async for event in relay.events():
             assert isinstance(event, TokenEvent | RestartEvent | DoneEvent | ErrorEvent)
             yield format_event(_event_data(event), event=event.type, id=event.seq)
-    except Exception as exc:  # Redis went away mid-stream: say so in-band, the client may resume later
-        yield format_event({"message": f"the event stream failed: {exc}"}, event="error")
+    except Exception:  # Redis went away mid-stream: say so in-band (without Redis's words), the client may resume
+        log.warning("event stream of job %s failed", relay.job_id, exc_info=True, extra={"job_id": relay.job_id})
+        yield format_event({"message": "the event stream failed; resume with Last-Event-ID"}, event="error")
     finally:
         metrics.open_streams.dec()
         await relay.close()
