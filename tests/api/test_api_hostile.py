@@ -13,7 +13,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 import redis
-from conftest import ApiServer, wait_until
+from conftest import ApiServer, parse_sse, wait_until
 from conftest import test_settings as api_settings
 from fake_worker import MODEL, FakeWorker
 from redis.asyncio import Redis
@@ -119,6 +119,17 @@ def _stalled_reader(api: ApiServer, job_id: str) -> socket.socket:
     sock.sendall(f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert sock.recv(1024).startswith(b"HTTP/1.1 200")
     return sock
+
+
+@pytest.mark.parametrize("after", [0, 300])
+async def test_a_long_log_is_relayed_whole_across_its_pages(api: ApiServer, after: int) -> None:
+    """Paging changes nothing a reader sees: every event once, in order, across page boundaries."""
+    job_id = await _long_finished_job(api)
+    async with httpx.AsyncClient(base_url=api.base_url, timeout=60) as client:
+        response = await client.get(f"/v1/jobs/{job_id}/events", params={"after": after})
+    events = parse_sse(response.text)
+    assert [int(e["id"]) for e in events] == list(range(after + 1, LOG_EVENTS + 2))
+    assert [e["event"] for e in events] == ["token"] * (LOG_EVENTS - after) + ["done"]
 
 
 @pytest.mark.parametrize("num_readers", [6])
