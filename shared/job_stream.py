@@ -113,7 +113,7 @@ class JobStreamReader:
 
     async def _replay(self) -> list[dict[str, Any]]:
         """The next page of the log after the last seq seen."""
-        entries, self._more = await self._queue.replay(self._job_id, self._last)
+        entries, self._more = await self._queue.replay_page(self._job_id, self._last)
         return entries
 
     async def _replay_or_end(self) -> list[dict[str, Any]]:

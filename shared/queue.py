@@ -436,13 +436,23 @@ class JobQueue:
 
         return listen(self._redis, keys.queue_wake(model), maybe_missed, f"wake channel of {model}", self._poll_s)
 
-    async def replay(self, job_id: str, after_seq: int, count: int = REPLAY_PAGE
-                     ) -> tuple[list[dict[str, Any]], bool]:
+    async def replay_page(self, job_id: str, after_seq: int, count: int = REPLAY_PAGE
+                          ) -> tuple[list[dict[str, Any]], bool]:
         """One page of the job's log: up to ``count`` entries with seq > ``after_seq``, as parsed JSON objects in
-        order, and whether the page was full (more may follow). Readers page through a long log rather than
-        load it whole, so a slow reader holds one page, not the log."""
+        order, and whether the page was full (more may follow). Stream readers page through a long log rather
+        than load it whole, so a slow reader holds one page, not the log."""
         chunk = await self._redis.xrange(keys.job_log(job_id), min=f"({after_seq}-0", max="+", count=count) or []
         return [entry_event(fields) for _, fields in chunk if fields], len(chunk) >= count
+
+    async def replay(self, job_id: str, after_seq: int) -> list[dict[str, Any]]:
+        """The whole log after ``after_seq`` (read page by page), for tests and tools; readers use pages."""
+        entries: list[dict[str, Any]] = []
+        while True:
+            page, more = await self.replay_page(job_id, after_seq)
+            entries += page
+            if not more or not page:
+                return entries
+            after_seq = int(page[-1]["seq"])
 
 
 def _invalid_reason(exc: ValueError) -> str:
