@@ -33,8 +33,8 @@ class ServedModel:
     """One model clients may ask for. ``card`` is None when the API is configured for a model that no worker
     has published yet: jobs for it are still queued (a worker may start later) but not length-checked.
 
-    Tokenizing runs on a worker thread (``tokenize_limiter`` bounds how many at once) with the GIL released, so a
-    megabyte prompt never stalls the event loop and every other request with it.
+    Tokenizing runs on a thread (``tokenize_limiter`` bounds how many at once) with the GIL released, so a
+    megabyte prompt never stalls the event loop, and every other request with it.
     """
 
     name: str
