@@ -57,11 +57,13 @@ class QueueFullError(Exception):
 
 @dataclass(frozen=True)
 class ClaimedJob:
-    """A job a worker now holds: its ``fence`` must accompany every write, ``attempt`` counts from 1."""
+    """A job a worker now holds: its ``fence`` must accompany every write, ``attempt`` counts from 1. A job
+    claimed ``alone`` must run with no other job beside it until it ends (crash isolation, docs/protocol.md)."""
 
     submission: JobSubmission
     fence: int
     attempt: int
+    alone: bool = False  # an isolated job (it was running when a worker crashed): run nothing beside it
 
 
 @dataclass(frozen=True)
@@ -302,16 +304,19 @@ class JobQueue:
         await self._scripts.deregister(keys=[keys.WORKERS, keys.worker_info(worker_id)], args=[worker_id])
         self._cards_sent.discard(worker_id)
 
-    async def claim(self, model: str, worker_id: str, max_jobs: int) -> list[ClaimedJob]:
+    async def claim(self, model: str, worker_id: str, max_jobs: int, idle: bool = True) -> list[ClaimedJob]:
         """Take up to ``max_jobs`` jobs of ``model``, best priority first, under a lease of ``lease_ttl_s``.
+
+        ``idle``: the worker holds no job. Only an idle worker is handed an isolated job (then alone); a busy one
+        claims nothing behind an isolated job at the head of the queue, so it drains and can take it next.
 
         A job whose stored submission is not a valid JobSubmission for this queue fails at once with the
         validation error and is not returned; the caller never sees malformed jobs.
         """
         reply = await self._scripts.claim(keys=[keys.queue(model), keys.INFLIGHT],
-                                          args=[self._ctx, worker_id, max_jobs])
+                                          args=[self._ctx, worker_id, max_jobs, int(idle)])
         claimed = []
-        for raw_id, raw_sub, fence, attempt in reply:
+        for raw_id, raw_sub, fence, attempt, alone in reply:
             job_id = as_text(raw_id)
             try:
                 submission = JobSubmission.model_validate_json(raw_sub)
@@ -323,7 +328,7 @@ class JobQueue:
                 log.warning("job %s is malformed, failing it: %s", job_id, reason, extra={"job_id": job_id})
                 await self.fail(job_id, int(fence), f"invalid job: {reason}")
                 continue
-            claimed.append(ClaimedJob(submission, int(fence), int(attempt)))
+            claimed.append(ClaimedJob(submission, int(fence), int(attempt), alone=int(alone) == 1))
         return claimed
 
     async def renew(self, worker_id: str, fences: dict[str, int]) -> list[str]:

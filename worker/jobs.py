@@ -95,6 +95,7 @@ class ActiveJob:
     choices: list[ChoiceState]
     next_seq: int = 1
     first_token_published: bool = False
+    error: str | None = None  # a choice failed in the engine: the whole job fails with this reason
 
     @classmethod
     def start(cls, claim: ClaimedJob) -> ActiveJob:
@@ -107,7 +108,7 @@ class ActiveJob:
 
     @property
     def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return self.error is not None or all(c.finish_reason is not None for c in self.choices)
 
     def unfinished_request_ids(self) -> list[str]:
         return [request_id(self.job_id, i) for i, c in enumerate(self.choices) if c.finish_reason is None]
@@ -115,6 +116,10 @@ class ActiveJob:
     def apply(self, out: StepOutput, index: int, logprobs: list[TokenLogprob] | None) -> TokenEvent | None:
         """Record one step's output of choice ``index``; the event to publish, if it carries anything."""
         choice = self.choices[index]
+        if out.error is not None:  # the engine failed this choice alone: the job fails, its siblings are aborted
+            self.error = self.error or f"generation failed: {out.error}"
+            choice.finish_reason = "abort"
+            return None
         choice.texts.append(out.text_delta)
         choice.token_ids += out.new_token_ids
         if out.new_token_ids:

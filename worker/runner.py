@@ -76,7 +76,8 @@ class Runner:
     async def run(self) -> int:
         """The main loop. Background tasks renew leases and listen for cancellations and wake-ups meanwhile."""
         await self._redis(self._queue.register_worker, await self._info(), self._card)
-        tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+        tasks = [asyncio.create_task(self._lease_loop(), name="leases"),
+                 asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                  asyncio.create_task(self._cancel_loop(), name="cancellations"),
                  asyncio.create_task(self._wake_loop(), name="wakeups")]
         code = 0
@@ -115,10 +116,13 @@ class Runner:
         spends no round trip per step on it."""
         if self._stop.is_set() or (not self._nudge.is_set() and time.monotonic() < self._next_poll_at):
             return  # a draining worker takes nothing new
+        if any(job.claim.alone for job in self._active.values()):
+            return  # an isolated job runs with nothing beside it (crash isolation)
         self._nudge.clear()  # before claiming: a job queued from now on sets it again
         self._next_poll_at = time.monotonic() + self._settings.claim_poll_s
         wanted = min(CLAIMS_PER_STEP, await self._on_engine(self._engine.free_seats))
-        jobs = await self._redis(self._queue.claim, self._model, self._worker_id, wanted) if wanted else []
+        jobs = (await self._redis(self._queue.claim, self._model, self._worker_id, wanted, not self._active)
+                if wanted else [])
         for job in jobs:
             await self._start(job)
         if not wanted or len(jobs) == wanted:
@@ -173,6 +177,9 @@ class Runner:
             self._active.clear()
             return False
         published, finished = self._apply(outputs)
+        for job in finished:
+            if job.error is not None:  # its other choices may still be in the engine
+                await self._on_engine(self._abort_all, job.unfinished_request_ids())
         await self._settle()  # the previous step's events go out first: a job's events stay in seq order
         delivery = self._deliver(published, finished)
         if any(not job.first_token_published for job, _ in published):
@@ -245,6 +252,11 @@ class Runner:
 
     async def _finish(self, job: ActiveJob) -> None:
         """Write the result of a job that left ``_active`` (done, or cancelled), with its metrics and log line."""
+        if job.error is not None:
+            if await self._redis(self._queue.fail, job.job_id, job.claim.fence, job.error):
+                self._metrics.on_job_event("failed")
+                log.warning("job %s failed: %s", job.job_id, job.error, extra=self._fields("failed", job.job_id))
+            return
         result = job.result()
         ok = await self._redis(self._queue.complete, job.job_id, job.claim.fence, result)
         if not ok:
@@ -292,14 +304,23 @@ class Runner:
         for rid in request_ids:
             self._engine.abort(rid)
 
-    async def _heartbeat_loop(self) -> None:
-        """Renew leases, refresh the worker's registration and reap expired leases, every heartbeat."""
+    async def _lease_loop(self) -> None:
+        """Renew the leases of running jobs every heartbeat. Never waits for the engine: a step longer than the
+        lease (a long prefill on a busy machine) must not let a healthy worker's jobs be taken away."""
         while True:
             await asyncio.sleep(self._settings.heartbeat_interval_s)
             try:
                 fences = {job_id: job.claim.fence for job_id, job in self._active.items()}
                 lost_ids = await self._redis(self._queue.renew, self._worker_id, fences)
                 self._lost.update((job_id, fences[job_id]) for job_id in lost_ids)
+            except Exception:
+                log.exception("lease renewal of worker %s failed", self._worker_id)
+
+    async def _heartbeat_loop(self) -> None:
+        """Refresh the worker's registration (with the engine's stats) and reap expired leases, every heartbeat."""
+        while True:
+            await asyncio.sleep(self._settings.heartbeat_interval_s)
+            try:
                 await self._redis(self._queue.register_worker, await self._info(), self._card)
                 for recovered in await self._redis(self._queue.reap):
                     self._metrics.on_requeue_status(recovered.status)
