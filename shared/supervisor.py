@@ -6,8 +6,10 @@ API and the workers, each as a child process in its own process group.
 Stop (Ctrl-C, SIGTERM, SIGHUP, or a child dying): SIGTERM the workers so they drain, then the API, then Redis.
 A process group still alive after its timeout gets SIGKILL; a second Ctrl-C sends it at once. Children also get
 SIGTERM from the kernel if the supervisor itself is killed, so nothing is left orphaned.
-A child that dies unexpectedly is reported and everything is shut down; nothing is restarted (a crash loop
-would hide the fault, and queued or running jobs are safe in Redis: they resume on the next start).
+A worker that dies unexpectedly is reported and restarted after a backoff, up to a crash-loop limit
+(``shared.restart_policy``); the API and Redis stay up meanwhile, and the dead worker's jobs go back to the queue
+when their leases expire. The API or Redis dying, or a worker's crash loop, shuts everything down (queued and
+running jobs are safe in Redis: they resume on the next start).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from shared.config import Settings
 from shared.redis_server import RedisServer, find_redis_server, free_port
+from shared.restart_policy import CrashHistory, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +68,20 @@ class _ParentDeathSignal:
 
 
 class Supervisor:
-    """Runs the API and workers (and optionally Redis), watches them, and stops them in order."""
+    """Runs the API and workers (and optionally Redis), watches them, restarts crashed workers (with backoff, up
+    to a crash-loop limit: ``shared.restart_policy``), and stops them in order."""
 
     def __init__(self, api: ChildSpec | None, workers: list[ChildSpec], redis: RedisServer | None = None,
-                 poll_interval_s: float = 0.2) -> None:
+                 poll_interval_s: float = 0.2, restart_policy: RestartPolicy | None = None) -> None:
         self.api = api
         self.workers = workers
         self.redis = redis
         self.poll_interval_s = poll_interval_s
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.num_signals = 0
+        policy = restart_policy or RestartPolicy()
+        self.histories = {spec.name: CrashHistory(policy) for spec in workers}
+        self.restart_at: dict[str, float] = {}  # crashed workers waiting out their backoff: name -> monotonic time
 
     def request_stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         """Signal handler: the first signal asks for an orderly stop, the next one for SIGKILL."""
@@ -84,18 +91,45 @@ class Supervisor:
         if self.redis is not None:
             self.redis.start()
         for spec in ([self.api] if self.api else []) + self.workers:
-            self.procs[spec.name] = subprocess.Popen(spec.argv, env=spec.env, start_new_session=True,
-                                                     preexec_fn=_ParentDeathSignal())
-            log.info("started %s (pid %d)", spec.name, self.procs[spec.name].pid,
-                     extra={"child": spec.name, "pid": self.procs[spec.name].pid})
+            self._spawn(spec)
+
+    def _spawn(self, spec: ChildSpec) -> None:
+        proc = subprocess.Popen(spec.argv, env=spec.env, start_new_session=True, preexec_fn=_ParentDeathSignal())
+        self.procs[spec.name] = proc
+        if spec.name in self.histories:
+            self.histories[spec.name].started(time.monotonic())
+        log.info("started %s (pid %d)", spec.name, proc.pid, extra={"child": spec.name, "pid": proc.pid})
 
     def dead_child(self) -> str | None:
-        """A description of the first child (or Redis) that has exited, if any."""
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                return f"{name} (pid {proc.pid}) exited with code {proc.returncode}"
+        """A description of a death that ends the stack: the API's, Redis's, or a worker's crash loop. A crashed
+        worker is restarted after its backoff (the API and Redis stay up meanwhile)."""
+        if self.api is not None and (proc := self.procs.get(self.api.name)) is not None and proc.poll() is not None:
+            return f"{self.api.name} (pid {proc.pid}) exited with code {proc.returncode}"
         if self.redis is not None and not self.redis.running:
             return f"redis-server on port {self.redis.port} exited; see {self.redis.data_dir}/redis.log"
+        return self._revive_workers()
+
+    def _revive_workers(self) -> str | None:
+        now = time.monotonic()
+        for spec in self.workers:
+            if spec.name in self.restart_at:
+                if now >= self.restart_at[spec.name]:
+                    del self.restart_at[spec.name]
+                    log.warning("restarting %s", spec.name, extra={"child": spec.name, "event": "restarted"})
+                    self._spawn(spec)
+                continue
+            proc = self.procs.get(spec.name)
+            if proc is None or proc.poll() is None:
+                continue
+            history = self.histories[spec.name]
+            when = history.record_crash(now)
+            if when is None:
+                return (f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}: "
+                        f"{len(history.crashes)} crashes within {history.policy.window_s:.0f} s (a crash loop)")
+            log.error("%s (pid %d) exited with code %s unexpectedly; restarting it in %.0f s", spec.name, proc.pid,
+                      proc.returncode, when - now,
+                      extra={"child": spec.name, "exit_code": proc.returncode, "event": "crashed"})
+            self.restart_at[spec.name] = when
         return None
 
     def wait(self, until: Callable[[], bool] | None = None, timeout_s: float | None = None) -> int | None:
@@ -104,7 +138,7 @@ class Supervisor:
         while not self.num_signals:
             dead = self.dead_child()
             if dead is not None:
-                log.error("%s unexpectedly; shutting everything down", dead)
+                log.error("%s; shutting everything down", dead)
                 return 1
             if until is not None and until():
                 return None
@@ -135,7 +169,8 @@ class Supervisor:
             time.sleep(0.05)
         for spec, proc in started:
             if proc.poll() is None:
-                log.warning("%s did not stop in time: SIGKILL", spec.name, extra={"child": spec.name})
+                why = "stop requested again" if self.num_signals > signals_before else "did not stop in time"
+                log.warning("%s %s: SIGKILL", spec.name, why, extra={"child": spec.name})
             # The whole group, so grandchildren die with their parent even when the parent already exited.
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -313,7 +348,10 @@ def run_up(settings: Settings) -> int:
                       flush=True)
             return supervisor.wait() or 0
         finally:
-            print("tokenspool: stopping ...", flush=True)
+            drain = f"workers finish their running jobs for up to {settings.drain_timeout_s:.0f} s, " \
+                if settings.workers else ""
+            print(f"tokenspool: stopping ({drain}then the API and Redis; Ctrl-C again stops everything at once) ...",
+                  flush=True)
             supervisor.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -318,6 +318,15 @@ def test_tokenspool_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path: Path, greedy
         prompt = PROMPTS[2]
         assert_matches(poll(base_url, submit(base_url, prompt), [up]), greedy[prompt])
 
+        # A worker that dies is restarted (the API stays up meanwhile) and the next job is served.
+        [worker] = [pid for pid in descendants(up.proc.pid) if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                    and b"shared.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: "restarting worker-0" in up.log.read_text(), [up], 30, "the worker's restart")
+        assert http_ok(f"{base_url}/healthz")
+        prompt = PROMPTS[0]
+        assert_matches(poll(base_url, submit(base_url, prompt), [up]), greedy[prompt])
+
         redis_port = int((tmp_path / "data" / "redis" / "redis.port").read_text())
         assert port_open(redis_port)
         processes = descendants(up.proc.pid)
