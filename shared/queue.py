@@ -22,7 +22,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from shared import keys
 from shared.config import Settings
 from shared.job_stream import JobStreamReader, entry_event
-from shared.lifecycle_log import LifecycleEvent, job_fields
+from shared.lifecycle_log import RECOVERIES, job_fields
 from shared.pubsub import TRANSIENT_ERRORS, as_text, listen
 from shared.schemas import (
     JobRecord,
@@ -77,13 +77,6 @@ class RecoveredJob:
     status: str
 
 
-# The ``tokenspool_jobs_total`` event (docs/operations.md) of a job a reap or release left in each status; the API's
-# reaper and the worker's release count with it.
-JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS = {"queued": "retried", "failed": "dead_lettered", "cancelled": "cancelled"}
-
-# The lifecycle event (shared/lifecycle_log.py) of a job a reap or release left in each status.
-_REQUEUE_EVENTS: dict[str, LifecycleEvent] = {"queued": "requeued", "failed": "dead_lettered",
-                                              "cancelled": "cancelled"}
 # Queue scores are ``-priority * PRIORITY_STRIDE + seq`` with 0 < seq < PRIORITY_STRIDE (shared/keys.py).
 PRIORITY_STRIDE = 2**32
 
@@ -237,7 +230,7 @@ class JobQueue:
             for raw_id, model, worker_id, status in reply[1:]:
                 job = RecoveredJob(as_text(raw_id), as_text(model), as_text(worker_id) or None, as_text(status))
                 log.warning("job %s: lease of worker %s expired; job %s", job.job_id, job.worker_id, job.status,
-                            extra=job_fields(_REQUEUE_EVENTS[job.status], job.job_id, job.model, job.worker_id))
+                            extra=job_fields(RECOVERIES[job.status].by_reaper, job.job_id, job.model, job.worker_id))
                 recovered.append(job)
             if int(reply[0]) < REAP_BATCH:
                 return recovered

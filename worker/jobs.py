@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from shared.queue import ClaimedJob
 from shared.schemas import (
@@ -25,18 +24,8 @@ from shared.schemas import (
     TokenLogprob,
     Usage,
 )
-from worker.engine import Engine, Logprob, StepOutput
-
-
-class Tokenizer(Protocol):
-    """The part of a Hugging Face tokenizer the runner uses."""
-
-    chat_template: str | None
-
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, token_ids: list[int]) -> str: ...
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+from worker.engine import Logprob, StepOutput
+from worker.port import EnginePort, Tokenizer
 
 
 def request_id(job_id: str, index: int) -> str:
@@ -162,15 +151,14 @@ class ActiveJob:
         return JobResult(choices=choices, usage=usage)
 
 
-def model_card(name: str, engine: Engine) -> ModelCard:
+def model_card(name: str, engine: EnginePort) -> ModelCard:
     """What the API needs to validate and template requests for this model without loading it."""
     tokenizer = engine.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return ModelCard(
         name=name, max_model_len=engine.max_model_len, eos_token_ids=list(engine.eos_token_ids),
         chat_template=tokenizer.chat_template,
-        # The model's vocabulary (what token ids the engine accepts), not the tokenizer's length.
-        vocab_size=engine.runner.shape.vocab_size,
+        vocab_size=engine.vocab_size,  # the model's vocabulary (ids the engine accepts), not the tokenizer's length
         tokenizer_json=backend.to_str() if backend is not None else None,
         special_tokens={k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)},
     )

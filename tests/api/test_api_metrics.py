@@ -15,10 +15,10 @@ from shared.logging_setup import JsonFormatter
 from shared.queue import JobQueue
 from shared.schemas import JobStatus, WorkerInfo
 from tests.api.conftest import ApiServer, wait_until
-from tests.api.fake_worker import MODEL, model_card
 from tests.deploy.test_k8s_manifests import contract_metrics
 from tests.observability.helpers import Samples, exported_types, scrape, value
 from tests.queue.queue_helpers import make_job
+from tests.worker.scripted_engine import MODEL, model_card
 
 
 @pytest.fixture()

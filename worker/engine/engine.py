@@ -67,6 +67,11 @@ class Engine:
         return self._tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts: [0, vocab_size)."""
+        return self.runner.shape.vocab_size
+
+    @property
     def max_model_len(self) -> int:
         """Prompt + output limit: the model's positions, the configured cap and the KV pool, whichever is least."""
         return self.plan.max_model_len
