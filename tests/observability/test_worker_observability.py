@@ -15,7 +15,7 @@ from shared.schemas import GenerationParams, JobStatus
 from tests.deploy.test_k8s_manifests import contract_metrics
 from tests.observability.helpers import MODEL, ObservedWorker, delta, exported_types, value
 from tests.queue.queue_helpers import make_job
-from tests.queue.worker_process import wait_final, wait_tokens
+from tests.worker.worker_process import wait_final, wait_tokens
 from worker.engine.outputs import EngineStats
 from worker.metrics import WorkerMetrics
 

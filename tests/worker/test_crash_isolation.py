@@ -15,8 +15,8 @@ from shared import keys
 from shared.config import Settings
 from shared.queue import JobQueue
 from shared.schemas import GenerationParams, JobStatus, JobSubmission
-from tests.queue.worker_process import WorkerProcess
 from tests.worker.crashing_worker import CRASH_TOKEN_ID
+from tests.worker.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -161,10 +161,6 @@ class Engine:
             self.spec.forget(self.scheduler.running)
         return True
 
-    def has_capacity(self) -> bool:
-        """Room for at least one more request right now (a free seat and a free block)."""
-        return self.free_seats() > 0
-
     def free_seats(self) -> int:
         """How many more requests the engine takes right now: its free seats, none without a free block."""
         if self.block_pool.num_free_blocks == 0:

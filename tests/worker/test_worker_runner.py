@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from queue_helpers import make_job, queue_settings
 from redis.asyncio import Redis
 
 from shared import keys
 from shared.queue import ClaimedJob, JobQueue
 from shared.schemas import GenerationParams, JobStatus, RestartEvent, TokenEvent
+from tests.queue.queue_helpers import make_job, queue_settings
 from worker.engine import Engine
 from worker.engine_thread import EngineThread
 from worker.main import engine_config

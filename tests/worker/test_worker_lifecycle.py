@@ -9,8 +9,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from queue_helpers import make_job, worker_test_queue
-from worker_process import WorkerProcess, client_text, read_all, read_first, wait_final, wait_tokens
 
 from shared import keys
 from shared.queue import JobQueue
@@ -20,6 +18,8 @@ from shared.schemas import (
     JobStatus,
     RestartEvent,
 )
+from tests.queue.queue_helpers import make_job, worker_test_queue
+from tests.worker.worker_process import WorkerProcess, client_text, read_all, read_first, wait_final, wait_tokens
 
 pytestmark = pytest.mark.slow
 LONG = GenerationParams(max_tokens=400, temperature=0, ignore_eos=True)
