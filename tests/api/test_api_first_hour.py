@@ -100,3 +100,16 @@ def test_docs_are_served_without_a_cdn(api: ApiServer) -> None:
             assert response.status_code == 200 and len(response.content) > 10_000, asset
         assert "cdn" not in page.text.lower()
         assert client.get("/redoc").status_code == 200
+
+
+def test_the_text_so_far_starts_over_at_a_restart_event() -> None:
+    from api.progress import fold_choices
+
+    log = [{"seq": 1, "type": "token", "index": 0, "text": "dead ", "token_ids": [7]},
+           {"seq": 2, "type": "restart", "attempt": 2},
+           {"seq": 3, "type": "token", "index": 1, "text": "b", "token_ids": [5]},
+           {"seq": 4, "type": "token", "index": 0, "text": "a", "token_ids": [3, 4]},
+           {"seq": 5, "type": "token", "index": 0, "text": "c", "token_ids": [6]}]
+    choices = fold_choices(log, num_choices=2)
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in choices] == [(0, "ac", [3, 4, 6], None),
+                                                                                 (1, "b", [5], None)]
