@@ -4,10 +4,13 @@ shows its text so far when polled, and /docs that works without internet."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import httpx
 from conftest import ApiServer, wait_until
 from fake_worker import FakeWorker, expected_text
+
+from api.progress import fold_choices
 
 
 def _error(response: httpx.Response) -> dict[str, str | None]:
@@ -61,7 +64,7 @@ def test_missing_unknown_and_out_of_range_parameters_are_named(api: ApiServer) -
 
 
 def test_a_running_job_polls_with_its_text_so_far_and_prompt_tokens(api: ApiServer,
-                                                                    start_worker: type[FakeWorker]) -> None:
+                                                                    start_worker: Callable[..., FakeWorker]) -> None:
     start_worker(token_delay_s=0.05)
     prompt = "hello quick brown fox"
     with api.client() as client:
@@ -103,8 +106,6 @@ def test_docs_are_served_without_a_cdn(api: ApiServer) -> None:
 
 
 def test_the_text_so_far_starts_over_at_a_restart_event() -> None:
-    from api.progress import fold_choices
-
     log = [{"seq": 1, "type": "token", "index": 0, "text": "dead ", "token_ids": [7]},
            {"seq": 2, "type": "restart", "attempt": 2},
            {"seq": 3, "type": "token", "index": 1, "text": "b", "token_ids": [5]},
