@@ -7,6 +7,7 @@ validation errors becomes a 400, and no exception raised by parsing a request es
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
@@ -92,6 +93,14 @@ _JSON_HINT = "send a JSON object with the header 'content-type: application/json
 _SCALARS = (int, float, bool)
 
 
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: ``an array``, ``null``, ..."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
 def _param_of(error: Mapping[str, Any]) -> str | None:
     """The offending parameter: the error's location without FastAPI's prefixes."""
     loc = [str(part) for part in error.get("loc", ()) if part not in ("body", "query", "path", "header")]
@@ -101,7 +110,7 @@ def _param_of(error: Mapping[str, Any]) -> str | None:
 def _got(value: Any) -> str:
     """`` (got 5)`` for a short scalar input; nothing for text, lists and objects (a prompt is not echoed)."""
     if isinstance(value, _SCALARS) or (isinstance(value, str) and len(value) <= 40 and "\n" not in value):
-        return f" (got {value!r})"
+        return f" (got {json.dumps(value)})"  # as the client wrote it: true, "text", 1.5
     return ""
 
 
@@ -116,7 +125,7 @@ def _describe_one(error: Mapping[str, Any], content_type: str | None) -> tuple[s
         return msg, str(ctx["param"]), str(ctx.get("code", "invalid_value"))
     if kind == "json_invalid":
         # loc is ("body", <character offset>): an offset, not a parameter.
-        detail = (error.get("ctx") or {}).get("error", "JSON decode error")
+        detail = ctx.get("error", "JSON decode error")
         where = error["loc"][-1] if len(error.get("loc", ())) > 1 else "?"
         return f"The request body is not valid JSON ({detail} at character {where}); {_JSON_HINT}.", None, \
             "invalid_json"
@@ -125,8 +134,10 @@ def _describe_one(error: Mapping[str, Any], content_type: str | None) -> tuple[s
             got = f"content-type {content_type!r}" if content_type else "no content-type"
             return f"The request body must be JSON, but the request has {got}; {_JSON_HINT}.", None, \
                 "invalid_content_type"
-        return f"The request body must be a JSON object, got {type(error.get('input')).__name__}; " \
-            f"{_JSON_HINT}.", None, "invalid_json"
+        return f"The request body must be a JSON object, got {_json_kind(error.get('input'))}; {_JSON_HINT}.", \
+            None, "invalid_json"
+    if kind == "missing" and param is None:
+        return f"The request has no body; {_JSON_HINT}.", None, "missing_body"
     if kind == "missing":
         return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
     if kind == "extra_forbidden":

@@ -37,11 +37,13 @@ def test_a_body_without_json_content_type_names_the_header(api: ApiServer) -> No
                                   headers={"content-type": "application/x-www-form-urlencoded"}))
         bare = _error(client.post("/v1/jobs", content=b'{"prompt": "a"}'))
         not_object = _error(client.post("/v1/jobs", json=[1, 2]))
+        empty = _error(client.post("/v1/jobs", content=b"", headers={"content-type": "application/json"}))
     assert form["code"] == "invalid_content_type"
     assert "content-type 'application/x-www-form-urlencoded'" in str(form["message"])
     assert "-H 'content-type: application/json'" in str(form["message"])
     assert bare["code"] == "invalid_content_type" and "no content-type" in str(bare["message"])
-    assert not_object["code"] == "invalid_json" and "must be a JSON object, got list" in str(not_object["message"])
+    assert not_object["code"] == "invalid_json" and "must be a JSON object, got an array" in str(not_object["message"])
+    assert empty["code"] == "missing_body" and str(empty["message"]).startswith("The request has no body; send a")
 
 
 def test_missing_unknown_and_out_of_range_parameters_are_named(api: ApiServer) -> None:
