@@ -81,7 +81,7 @@ install: venv
 	fi
 
 setup: install
-	@echo "model $(MODEL): $$("$(BIN)/tokenspool" models prepare "$(MODEL)")"
+	@folder="$$("$(BIN)/tokenspool" models prepare "$(MODEL)")"; echo "model $(MODEL): $$folder"
 
 # `tokenspool up` prepares (converts once) the model itself, so `up` needs only the install.
 up: install
