@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """The cost of the queue: one workload through HTTP + Redis, and through the engine alone in this process.
 
     .venv/bin/python benchmarks/serve.py [--base-url URL] [--num-prompts 32] [--input-len 128] [--output-len 64]
