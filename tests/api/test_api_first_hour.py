@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import httpx
 from conftest import ApiServer, wait_until
-from fake_worker import FakeWorker, expected_text
 
 from api.progress import fold_choices
+from tests.worker.scripted_engine import InProcessWorker, expected_text
 
 
 def _error(response: httpx.Response) -> dict[str, str | None]:
@@ -65,8 +65,8 @@ def test_missing_unknown_and_out_of_range_parameters_are_named(api: ApiServer) -
     assert re.fullmatch(r"Invalid value for 'temperature': .*0.* \(got -1\)\.", str(negative["message"]))
 
 
-def test_a_running_job_polls_with_its_text_so_far_and_prompt_tokens(api: ApiServer,
-                                                                    start_worker: Callable[..., FakeWorker]) -> None:
+def test_a_running_job_polls_with_its_text_so_far_and_prompt_tokens(
+        api: ApiServer, start_worker: Callable[..., InProcessWorker]) -> None:
     start_worker(token_delay_s=0.05)
     prompt = "hello quick brown fox"
     with api.client() as client:
