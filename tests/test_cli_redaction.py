@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shared.cli import main, redact_url
+from shared.launcher.cli import main, redact_url
 
 
 @pytest.mark.parametrize(("url", "shown"), [

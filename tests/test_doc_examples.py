@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.redis_server import free_port
+from shared.launcher.redis_server import free_port
 from tests.e2e.test_walking_skeleton import Process, clean_env, spawn, stop, tokenspool_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

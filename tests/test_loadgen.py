@@ -20,6 +20,7 @@ import uvicorn
 
 from api.app import create_app
 from shared.config import Settings
+from shared.launcher.redis_server import free_port
 from shared.loadgen import (
     PROMPT_WORDS,
     BenchConfig,
@@ -38,7 +39,6 @@ from shared.loadgen_report import (
     percentile,
     summarize,
 )
-from shared.redis_server import free_port
 from tests.worker.scripted_engine import MODEL, InProcessWorker
 
 # --- statistics on known data ------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.restart_policy import CrashHistory, RestartPolicy
+from shared.launcher.restart_policy import CrashHistory, RestartPolicy
 
 POLICY = RestartPolicy(backoff_s=1.0, max_backoff_s=5.0, stable_after_s=60.0, max_crashes=4, window_s=100.0)
 

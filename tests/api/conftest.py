@@ -20,7 +20,7 @@ import uvicorn
 
 from api.app import create_app
 from shared.config import Settings
-from shared.redis_server import free_port
+from shared.launcher.redis_server import free_port
 from tests.worker.scripted_engine import MODEL, InProcessWorker
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.redis_server import RedisServer
+from shared.launcher.redis_server import RedisServer
 from tests.reliability.stack import MODEL, ApiProcess
 from tests.worker.worker_process import WorkerProcess
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from shared.redis_server import free_port
+from shared.launcher.redis_server import free_port
 from tests.e2e.test_walking_skeleton import Process, clean_env, http_ok, spawn, stop, tokenspool_command
 from tests.worker.worker_process import WorkerProcess
 

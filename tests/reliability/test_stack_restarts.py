@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.redis_server import RedisServer
+from shared.launcher.redis_server import RedisServer
 from tests.reliability.stack import ApiProcess, Stream, assert_clean_stream, follow, poll, submit
 from tests.worker.worker_process import WorkerProcess
 

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from shared import keys
+from shared.launcher.redis_server import RedisServer
 from shared.queue import JobQueue
-from shared.redis_server import RedisServer
 from shared.schemas import (
     ChatMessage,
     DoneEvent,

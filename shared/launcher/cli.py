@@ -46,7 +46,7 @@ COMMAND_FIELDS: dict[str, tuple[str, ...]] = {
 # `bench serve` is the installed load generator (shared/loadgen.py); the others are scripts in benchmarks/.
 BENCHMARKS = {"offline": "offline_throughput.py", "queue-cost": "serve.py", "speculative": "speculative.py",
               "api-relay": "api_relay.py", "serve": ""}
-BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def env_var(field: str) -> str:
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         from worker.main import run_worker
 
         return run_worker(settings)
-    from shared.supervisor import run_up
+    from shared.launcher.up import run_up
 
     return run_up(settings)
 
