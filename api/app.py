@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from api.deps import Resources
 from api.errors import install_error_handlers
@@ -79,7 +80,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def create_app(settings: Settings) -> FastAPI:
     """The tokenspool API for ``settings`` (routes, error bodies, body limit, metrics)."""
-    app = FastAPI(
+    # /docs and /redoc with Swagger UI and ReDoc served from the fastapi-offline wheel, not a CDN: the
+    # banner of `tokenspool up` points to /docs, and the service must work on a machine without internet.
+    app = FastAPIOffline(
         title="tokenspool",
         summary="Queue-backed LLM generation: OpenAI-compatible and job APIs over Redis",
         version="0.1.0",

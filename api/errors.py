@@ -7,7 +7,9 @@ validation errors becomes a 400, and no exception raised by parsing a request es
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -85,20 +87,78 @@ def error_response(status_code: int, message: str, *, type: str | None = None, p
                         headers=headers)
 
 
-def _describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
-    """One readable message and the offending parameter from pydantic's error list."""
+# With curl: what a client must add to send JSON (named in the messages about the body itself).
+_JSON_HINT = "send a JSON object with the header 'content-type: application/json' (curl: -H 'content-type: " \
+             "application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}')"
+_SCALARS = (int, float, bool)
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: ``an array``, ``null``, ..."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
+def _param_of(error: Mapping[str, Any]) -> str | None:
+    """The offending parameter: the error's location without FastAPI's prefixes."""
+    loc = [str(part) for part in error.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    return ".".join(loc) or None
+
+
+def _got(value: Any) -> str:
+    """`` (got 5)`` for a short scalar input; nothing for text, lists and objects (a prompt is not echoed)."""
+    if isinstance(value, _SCALARS) or (isinstance(value, str) and len(value) <= 40 and "\n" not in value):
+        return f" (got {json.dumps(value)})"  # as the client wrote it: true, "text", 1.5
+    return ""
+
+
+def _describe_one(error: Mapping[str, Any], content_type: str | None) -> tuple[str, str | None, str]:
+    """(message, param, code) for one pydantic error, worded as OpenAI's errors are: what is wrong, where,
+    and how to fix it."""
+    kind = str(error.get("type", ""))
+    param = _param_of(error)
+    msg = str(error.get("msg", "invalid value"))
+    ctx = error.get("ctx") or {}
+    if param is None and ctx.get("param"):  # a check across fields names its parameter (and code) in ctx
+        return msg, str(ctx["param"]), str(ctx.get("code", "invalid_value"))
+    if kind == "json_invalid":
+        # loc is ("body", <character offset>): an offset, not a parameter.
+        detail = ctx.get("error", "JSON decode error")
+        where = error["loc"][-1] if len(error.get("loc", ())) > 1 else "?"
+        return f"The request body is not valid JSON ({detail} at character {where}); {_JSON_HINT}.", None, \
+            "invalid_json"
+    if param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
+        if content_type is None or "json" not in content_type.lower():
+            got = f"content-type {content_type!r}" if content_type else "no content-type"
+            return f"The request body must be JSON, but the request has {got}; {_JSON_HINT}.", None, \
+                "invalid_content_type"
+        return f"The request body must be a JSON object, got {_json_kind(error.get('input'))}; {_JSON_HINT}.", \
+            None, "invalid_json"
+    if kind == "missing" and param is None:
+        return f"The request has no body; {_JSON_HINT}.", None, "missing_body"
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: '{param}'; remove it or check its spelling.", param, \
+            "unknown_parameter"
+    msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if param is None:
+        return msg[:1].upper() + msg[1:], None, "invalid_value"
+    return f"Invalid value for '{param}': {msg}{_got(error.get('input'))}.", param, "invalid_value"
+
+
+def _describe_validation_error(errors: Sequence[Mapping[str, Any]], content_type: str | None = None
+                               ) -> tuple[str, str | None, str]:
+    """One readable message, the offending parameter and a code from pydantic's error list (the first
+    error; the count of the others is appended)."""
     if not errors:
-        return "invalid request", None
-    first = errors[0]
-    # FastAPI prefixes body fields with "body"; tagged unions add the tag name. Neither helps a client.
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
-    param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid value"))
-    if param:
-        message = f"{param}: {message}"
+        return "Invalid request.", None, "invalid_value"
+    message, param, code = _describe_one(errors[0], content_type)
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return message, param
+    return message, param, code
 
 
 async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -112,14 +172,14 @@ def invalid_input(exc: ValidationError) -> APIError:
 
     Only for models built from request fields: a ValidationError anywhere else is our bug, and stays a 500.
     """
-    message, param = _describe_validation_error(list(exc.errors()))
-    return invalid_request(message, param=param, code="invalid_value")
+    message, param, code = _describe_validation_error(exc.errors())
+    return invalid_request(message, param=param, code=code)
 
 
 async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    message, param = _describe_validation_error(list(exc.errors()))
-    return error_response(400, message, param=param, code="invalid_value")
+    message, param, code = _describe_validation_error(exc.errors(), request.headers.get("content-type"))
+    return error_response(400, message, param=param, code=code)
 
 
 async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:

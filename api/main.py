@@ -10,7 +10,7 @@ import uvicorn
 from api.app import create_app
 from api.http_limits import uvicorn_options
 from shared.config import Settings
-from shared.redis_server import RedisServer
+from shared.launcher.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from api.fleet import FleetCollector
-from shared.queue import JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS
+from shared.lifecycle_log import RECOVERIES
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -53,7 +53,7 @@ class ApiMetrics:
 
     def job_reaped(self, model: str, status: str) -> None:
         """The API's reaper took a job back from a dead worker and left it ``status``."""
-        self.jobs.labels(model, JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS[status]).inc()
+        self.jobs.labels(model, RECOVERIES[status].jobs_total).inc()
 
     def observe_request(self, method: str, route: str, status: int, duration_s: float) -> None:
         self.requests.labels(method, route, str(status)).inc()

@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shared.config import Settings  # noqa: E402
+from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
 from shared.loadgen import BenchConfig, random_requests, run_benchmark  # noqa: E402
 from shared.loadgen_report import summarize  # noqa: E402
-from shared.redis_server import RedisServer, free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "relay-bench"
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         env = {**os.environ, "TOKENSPOOL_REDIS_URL": redis.url, "TOKENSPOOL_PORT": str(port),
                "TOKENSPOOL_HOST": "127.0.0.1", "TOKENSPOOL_LOG_LEVEL": "WARNING"}
-        api = subprocess.Popen([sys.executable, "-m", "shared.cli", "api"], env=env, cwd=ROOT)
+        api = subprocess.Popen([sys.executable, "-m", "shared.launcher.cli", "api"], env=env, cwd=ROOT)
         ctx = multiprocessing.get_context("spawn")
         ready, stop = ctx.Event(), ctx.Event()
         source = ctx.Process(target=_run_source, args=(redis.url, args.step_ms / 1000, ready, stop))

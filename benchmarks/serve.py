@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """The cost of the queue: one workload through HTTP + Redis, and through the engine alone in this process.
 
     .venv/bin/python benchmarks/serve.py [--base-url URL] [--num-prompts 32] [--input-len 128] [--output-len 64]
@@ -43,10 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shared.config import Settings  # noqa: E402
+from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
+from shared.launcher.supervisor import Supervisor  # noqa: E402
+from shared.launcher.up import child_specs  # noqa: E402
 from shared.loadgen import BenchConfig, BenchRequest, random_requests, run_bench_serve, run_benchmark  # noqa: E402
 from shared.loadgen_report import BenchSummary, RequestResult, percentile, summarize  # noqa: E402
-from shared.redis_server import RedisServer, free_port  # noqa: E402
-from shared.supervisor import Supervisor, child_specs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GOAL_THROUGHPUT_RATIO = 0.90

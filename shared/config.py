@@ -32,7 +32,8 @@ class Settings(BaseSettings):
     result_ttl_s: int = Field(86_400, ge=1, description="seconds a finished job's record and stream are kept")
     lease_ttl_s: float = Field(30.0, gt=0, description="seconds a claim lives without a heartbeat")
     heartbeat_interval_s: float = Field(5.0, gt=0, description="seconds between worker lease renewals")
-    max_attempts: int = Field(3, ge=1, description="claims of one job before it is dead-lettered")
+    max_attempts: int = Field(3, ge=1, description="crashes of a job running alone before it is dead-lettered "
+                              "(a first crash beside other jobs only isolates it)")
     stream_maxlen: int = Field(100_000, ge=100, description="max entries in one job's token replay log")
 
     # --- API -----------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ turns the extras into top-level fields. Prompt and output text go in only throug
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 LifecycleEvent = Literal[
@@ -21,6 +22,24 @@ LifecycleEvent = Literal[
     "dead_lettered",  # reaper or release: out of attempts, failed and dead-lettered
     "lease_lost",  # worker: another holder took over; this worker dropped it
 ]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What a reap or a release left a running job as: its lifecycle event when the reaper (``by_reaper``) or
+    its own worker (``by_worker``) did it, and its ``tokenspool_jobs_total`` event (docs/operations.md)."""
+
+    by_reaper: LifecycleEvent
+    by_worker: LifecycleEvent
+    jobs_total: str
+
+
+# The one status -> event map of recovered jobs (reap.lua and release.lua return the status).
+RECOVERIES: dict[str, Recovery] = {
+    "queued": Recovery("requeued", "released", "retried"),
+    "failed": Recovery("dead_lettered", "dead_lettered", "dead_lettered"),
+    "cancelled": Recovery("cancelled", "cancelled", "cancelled"),
+}
 
 
 def job_fields(event: LifecycleEvent, job_id: str, model: str, worker_id: str | None = None,

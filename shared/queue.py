@@ -22,7 +22,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from shared import keys
 from shared.config import Settings
 from shared.job_stream import JobStreamReader, entry_event
-from shared.lifecycle_log import LifecycleEvent, job_fields
+from shared.lifecycle_log import RECOVERIES, job_fields
 from shared.pubsub import TRANSIENT_ERRORS, as_text, listen
 from shared.schemas import (
     JobRecord,
@@ -57,11 +57,13 @@ class QueueFullError(Exception):
 
 @dataclass(frozen=True)
 class ClaimedJob:
-    """A job a worker now holds: its ``fence`` must accompany every write, ``attempt`` counts from 1."""
+    """A job a worker now holds: its ``fence`` must accompany every write, ``attempt`` counts from 1. A job
+    claimed ``alone`` must run with no other job beside it until it ends (crash isolation, docs/protocol.md)."""
 
     submission: JobSubmission
     fence: int
     attempt: int
+    alone: bool = False  # an isolated job (it was running when a worker crashed): run nothing beside it
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,6 @@ class RecoveredJob:
     status: str
 
 
-# The ``tokenspool_jobs_total`` event (docs/operations.md) of a job a reap or release left in each status; the API's
-# reaper and the worker's release count with it.
-JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS = {"queued": "retried", "failed": "dead_lettered", "cancelled": "cancelled"}
-
-# The lifecycle event (shared/lifecycle_log.py) of a job a reap or release left in each status.
-_REQUEUE_EVENTS: dict[str, LifecycleEvent] = {"queued": "requeued", "failed": "dead_lettered",
-                                              "cancelled": "cancelled"}
 # Queue scores are ``-priority * PRIORITY_STRIDE + seq`` with 0 < seq < PRIORITY_STRIDE (shared/keys.py).
 PRIORITY_STRIDE = 2**32
 
@@ -257,7 +252,7 @@ class JobQueue:
             for raw_id, model, worker_id, status in reply[1:]:
                 job = RecoveredJob(as_text(raw_id), as_text(model), as_text(worker_id) or None, as_text(status))
                 log.warning("job %s: lease of worker %s expired; job %s", job.job_id, job.worker_id, job.status,
-                            extra=job_fields(_REQUEUE_EVENTS[job.status], job.job_id, job.model, job.worker_id))
+                            extra=job_fields(RECOVERIES[job.status].by_reaper, job.job_id, job.model, job.worker_id))
                 recovered.append(job)
             if int(reply[0]) < REAP_BATCH:
                 return recovered
@@ -324,16 +319,19 @@ class JobQueue:
         await self._scripts.deregister(keys=[keys.WORKERS, keys.worker_info(worker_id)], args=[worker_id])
         self._cards_sent.discard(worker_id)
 
-    async def claim(self, model: str, worker_id: str, max_jobs: int) -> list[ClaimedJob]:
+    async def claim(self, model: str, worker_id: str, max_jobs: int, idle: bool = True) -> list[ClaimedJob]:
         """Take up to ``max_jobs`` jobs of ``model``, best priority first, under a lease of ``lease_ttl_s``.
+
+        ``idle``: the worker holds no job. Only an idle worker is handed an isolated job (then alone); a busy one
+        claims nothing behind an isolated job at the head of the queue, so it drains and can take it next.
 
         A job whose stored submission is not a valid JobSubmission for this queue fails at once with the
         validation error and is not returned; the caller never sees malformed jobs.
         """
         reply = await self._scripts.claim(keys=[keys.queue(model), keys.INFLIGHT],
-                                          args=[self._ctx, worker_id, max_jobs])
+                                          args=[self._ctx, worker_id, max_jobs, int(idle)])
         claimed = []
-        for raw_id, raw_sub, fence, attempt in reply:
+        for raw_id, raw_sub, fence, attempt, alone in reply:
             job_id = as_text(raw_id)
             try:
                 submission = JobSubmission.model_validate_json(raw_sub)
@@ -345,7 +343,7 @@ class JobQueue:
                 log.warning("job %s is malformed, failing it: %s", job_id, reason, extra={"job_id": job_id})
                 await self.fail(job_id, int(fence), f"invalid job: {reason}")
                 continue
-            claimed.append(ClaimedJob(submission, int(fence), int(attempt)))
+            claimed.append(ClaimedJob(submission, int(fence), int(attempt), alone=int(alone) == 1))
         return claimed
 
     async def renew(self, worker_id: str, fences: dict[str, int]) -> list[str]:

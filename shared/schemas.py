@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from shared.sampling import GREEDY_BELOW_TEMPERATURE, SAMPLING_RANGES
+
 SCHEMA_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -38,6 +40,11 @@ def check_unicode(data: Any) -> Any:
     return data
 
 
+def _bounds(field: str) -> dict[str, Any]:
+    """pydantic bounds of a sampling field, from the one definition in ``shared.sampling``."""
+    return {**SAMPLING_RANGES[field].pydantic_bounds(), "allow_inf_nan": False}
+
+
 class _Wire(BaseModel):
     """Base for wire models: frozen, and unknown fields are an error (a typo must not pass silently)."""
 
@@ -45,22 +52,25 @@ class _Wire(BaseModel):
 
 
 class GenerationParams(_Wire):
-    """Sampling parameters of one job. Ranges are checked here and again by the engine."""
+    """Sampling parameters of one job. Ranges come from ``shared.sampling`` and are checked again by the engine."""
 
-    max_tokens: int = Field(16, ge=1, description="tokens to generate at most")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: int = Field(16, **_bounds("max_tokens"), description="tokens to generate at most")
+    temperature: float = Field(1.0, **_bounds("temperature"),
+                               description=f"0 = greedy (so is anything below {GREEDY_BELOW_TEMPERATURE})")
+    top_p: float = Field(1.0, **_bounds("top_p"))
+    top_k: int = Field(0, **_bounds("top_k"), description="0 or -1 = off; larger than the vocabulary = all tokens")
+    min_p: float = Field(0.0, **_bounds("min_p"))
+    repetition_penalty: float = Field(1.0, **_bounds("repetition_penalty"))
+    presence_penalty: float = Field(0.0, **_bounds("presence_penalty"))
+    frequency_penalty: float = Field(0.0, **_bounds("frequency_penalty"))
+    seed: int | None = Field(None, **_bounds("seed"))
     stop: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field((), max_length=16)
-    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field((), max_length=64)
+    stop_token_ids: tuple[Annotated[int, Field(**_bounds("stop_token_ids"))], ...] = Field((), max_length=64)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, description="tokens to generate at least (EOS and stop strings wait)")
-    logprobs: int | None = Field(None, ge=0, le=20, description="None = off; 0 = chosen token; N = top-N too")
+    min_tokens: int = Field(0, **_bounds("min_tokens"),
+                            description="tokens to generate at least (EOS and stop strings wait)")
+    logprobs: int | None = Field(None, **_bounds("logprobs"),
+                                 description="None = off; 0 = chosen token; N = top-N too")
 
     @field_validator("min_tokens")
     @classmethod

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.redis_server import RedisServer
+from shared.launcher.redis_server import RedisServer
 
 SMOLLM2_VOCAB = 49152  # tiny models share SmolLM2's tokenizer, so text round-trips
 SMALL_VOCAB = 32  # for distribution (chi-square) tests: every token's probability is non-negligible

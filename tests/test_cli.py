@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.cli import COMMAND_FIELDS, build_parser, build_settings, env_var, main, settings_table
 from shared.config import Settings
+from shared.launcher.cli import COMMAND_FIELDS, build_parser, build_settings, env_var, main, settings_table
+from shared.launcher.redis_server import RedisServer, free_port
+from shared.launcher.restart_policy import RestartPolicy
+from shared.launcher.supervisor import ChildSpec, Supervisor
+from shared.launcher.up import settings_env
 from shared.logging_setup import configure_logging
-from shared.redis_server import RedisServer, free_port
-from shared.supervisor import ChildSpec, Supervisor, settings_env
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = ("api", "worker", "up", "models", "bench", "config")
@@ -114,7 +116,7 @@ def test_help_and_api_settings_do_not_import_torch() -> None:
     """`tokenspool --help`, each command's --help and the API process's imports stay free of torch."""
     code = textwrap.dedent("""
         import contextlib, importlib.util, io, sys
-        from shared.cli import main
+        from shared.launcher.cli import main
         for argv in (["--help"], ["api", "--help"], ["worker", "--help"], ["up", "--help"]):
             with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
                 main(argv)
@@ -318,7 +320,7 @@ def test_supervisor_kills_a_stuck_child_and_its_children(tmp_path: Path, caplog:
     wait_for(lambda: (tmp_path / "log.grandchild").exists() and (tmp_path / "log.grandchild").read_text() != "")
     grandchild = int((tmp_path / "log.grandchild").read_text())
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="shared.supervisor"):
+    with caplog.at_level(logging.WARNING, logger="shared.launcher.supervisor"):
         supervisor.stop()
     assert time.monotonic() - started < 5
     assert supervisor.procs["w0"].returncode == -signal.SIGKILL
@@ -326,22 +328,41 @@ def test_supervisor_kills_a_stuck_child_and_its_children(tmp_path: Path, caplog:
     assert "w0 did not stop in time" in caplog.text
 
 
-def test_supervisor_reports_a_dead_child_and_stops_the_rest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    crashing = "import sys, time; time.sleep(0.3); sys.exit(3)"
-    supervisor = Supervisor(child(tmp_path, "api"), [child(tmp_path, "w0", script=crashing)])
+def test_supervisor_restarts_a_crashed_worker_until_a_crash_loop(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that keeps dying is restarted after a backoff while the API stays up; its third crash within the
+    window is a crash loop, which stops the stack."""
+    crashing = "import sys, time; open(sys.argv[2] + '.starts', 'a').write('x'); time.sleep(0.3); sys.exit(3)"
+    policy = RestartPolicy(backoff_s=0.2, max_crashes=2, window_s=60.0)
+    supervisor = Supervisor(child(tmp_path, "api"), [child(tmp_path, "w0", script=crashing)], restart_policy=policy)
     supervisor.start()
-    with caplog.at_level(logging.ERROR, logger="shared.supervisor"):
-        assert supervisor.wait(timeout_s=10) == 1
-    assert "w0 (pid" in caplog.text and "exited with code 3" in caplog.text
+    with caplog.at_level(logging.INFO, logger="shared.launcher.supervisor"):
+        assert supervisor.wait(timeout_s=30) == 1
+        assert supervisor.procs["api"].poll() is None  # the API stayed up throughout
+    assert (tmp_path / "log.starts").read_text() == "xxx"
+    assert caplog.text.count("exited with code 3 unexpectedly; restarting it in") == 2
+    assert caplog.text.count("restarting w0") == 2
+    assert "3 crashes within 60 s (a crash loop); shutting everything down" in caplog.text
     supervisor.stop()
     assert supervisor.procs["api"].returncode is not None
+
+
+def test_supervisor_stops_everything_when_the_api_dies(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    crashing = "import sys, time; time.sleep(0.3); sys.exit(3)"
+    supervisor = Supervisor(child(tmp_path, "api", script=crashing), [child(tmp_path, "w0")])
+    supervisor.start()
+    with caplog.at_level(logging.ERROR, logger="shared.launcher.supervisor"):
+        assert supervisor.wait(timeout_s=10) == 1
+    assert "api (pid" in caplog.text and "exited with code 3" in caplog.text
+    supervisor.stop()
+    assert supervisor.procs["w0"].returncode is not None
 
 
 def test_children_get_sigterm_when_the_supervisor_is_killed(tmp_path: Path) -> None:
     spec = child(tmp_path, "w0")
     program = textwrap.dedent(f"""
         import time
-        from shared.supervisor import ChildSpec, Supervisor
+        from shared.launcher.supervisor import ChildSpec, Supervisor
         supervisor = Supervisor(None, [ChildSpec(*{(spec.name, spec.argv)!r}, {{}}, 5.0)])
         supervisor.start()
         open({str(tmp_path / "pid")!r}, "w").write(str(supervisor.procs["w0"].pid))

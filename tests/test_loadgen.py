@@ -1,5 +1,6 @@
 """The load generator of ``tokenspool bench serve``: its statistics, arrivals and datasets on known data, then
-whole runs against the real API (uvicorn on a free port, the test Redis) served by the API tests' fake worker.
+whole runs against the real API (uvicorn on a free port, the test Redis) served by the production worker over
+the scripted engine.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import json
 import math
 import random
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +20,7 @@ import uvicorn
 
 from api.app import create_app
 from shared.config import Settings
+from shared.launcher.redis_server import free_port
 from shared.loadgen import (
     PROMPT_WORDS,
     BenchConfig,
@@ -38,10 +39,7 @@ from shared.loadgen_report import (
     percentile,
     summarize,
 )
-from shared.redis_server import free_port
-
-sys.path.insert(0, str(Path(__file__).parent / "api"))  # the API tests' fake worker (tests/api has no package)
-from fake_worker import MODEL, FakeWorker  # noqa: E402
+from tests.worker.scripted_engine import MODEL, InProcessWorker
 
 # --- statistics on known data ------------------------------------------------------------------------------
 
@@ -162,13 +160,14 @@ def _settings(redis_url: str) -> Settings:
 
 
 @pytest.fixture()
-def start_stack(redis_url: str) -> Iterator[Callable[[float], tuple[str, FakeWorker]]]:
-    """The real API under uvicorn on a free port, plus a fake worker streaming at ``token_delay_s``."""
-    started: list[tuple[uvicorn.Server, threading.Thread, FakeWorker]] = []
+def start_stack(redis_url: str) -> Iterator[Callable[[float], tuple[str, InProcessWorker]]]:
+    """The real API under uvicorn on a free port, plus the worker over a scripted engine (a step per
+    ``token_delay_s``)."""
+    started: list[tuple[uvicorn.Server, threading.Thread, InProcessWorker]] = []
 
-    def start(token_delay_s: float) -> tuple[str, FakeWorker]:
+    def start(token_delay_s: float) -> tuple[str, InProcessWorker]:
         settings = _settings(redis_url)
-        worker = FakeWorker(redis_url, settings, token_delay_s=token_delay_s).start()
+        worker = InProcessWorker(redis_url, settings, token_delay_s=token_delay_s).start()
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
                                                log_level="warning", timeout_graceful_shutdown=2))
@@ -189,7 +188,7 @@ def start_stack(redis_url: str) -> Iterator[Callable[[float], tuple[str, FakeWor
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "jobs"])
-def test_bench_serve_end_to_end(endpoint: str, start_stack: Callable[[float], tuple[str, FakeWorker]],
+def test_bench_serve_end_to_end(endpoint: str, start_stack: Callable[[float], tuple[str, InProcessWorker]],
                                 tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base_url, worker = start_stack(0.002)
     json_path, png_path = tmp_path / "out" / "result.json", tmp_path / "out" / "plot.png"
@@ -204,7 +203,7 @@ def test_bench_serve_end_to_end(endpoint: str, start_stack: Callable[[float], tu
     data = json.loads(json_path.read_text())
     summary = data["summary"]
     assert (summary["num_completed"], summary["num_failed"]) == (12, 0)
-    # The fake worker generates exactly max_tokens tokens and counts one prompt token per word.
+    # The scripted engine generates exactly max_tokens tokens and counts one prompt token per word.
     assert summary["total_output_tokens"] == sum(r.max_tokens for r in expected)
     assert summary["total_input_tokens"] == sum(r.num_prompt_tokens for r in expected)
     assert [r["num_output_tokens"] for r in data["requests"]] == [r.max_tokens for r in expected]
@@ -223,7 +222,7 @@ def test_bench_serve_end_to_end(endpoint: str, start_stack: Callable[[float], tu
 
 
 def test_failures_are_counted_and_timed_out_jobs_cancelled(
-        start_stack: Callable[[float], tuple[str, FakeWorker]]) -> None:
+        start_stack: Callable[[float], tuple[str, InProcessWorker]]) -> None:
     base_url, worker = start_stack(0.2)
     requests = [BenchRequest("hello world", 1, 2),
                 BenchRequest("too long for the context", 10_000, 5),  # over max_tokens_cap: HTTP 400

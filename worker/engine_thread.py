@@ -10,10 +10,12 @@ paired prompts, docs/performance.md ("The cost of the queue").
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -27,9 +29,9 @@ class EngineThread:
         """Run ``factory`` (the engine's constructor) on the thread and wait for it; call before serving."""
         return self._executor.submit(factory).result()
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the thread, awaited without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args, **kwargs)`` on the thread, awaited without blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     def shutdown(self) -> None:
         """Wait for the running call, then end the thread."""

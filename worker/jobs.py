@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from shared.queue import ClaimedJob
 from shared.schemas import (
@@ -25,18 +24,8 @@ from shared.schemas import (
     TokenLogprob,
     Usage,
 )
-from worker.engine import Engine, Logprob, StepOutput
-
-
-class Tokenizer(Protocol):
-    """The part of a Hugging Face tokenizer the runner uses."""
-
-    chat_template: str | None
-
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, token_ids: list[int]) -> str: ...
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+from worker.engine import Logprob, StepOutput
+from worker.port import EnginePort, Tokenizer
 
 
 def request_id(job_id: str, index: int) -> str:
@@ -95,6 +84,7 @@ class ActiveJob:
     choices: list[ChoiceState]
     next_seq: int = 1
     first_token_published: bool = False
+    error: str | None = None  # a choice failed in the engine: the whole job fails with this reason
 
     @classmethod
     def start(cls, claim: ClaimedJob) -> ActiveJob:
@@ -107,7 +97,7 @@ class ActiveJob:
 
     @property
     def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return self.error is not None or all(c.finish_reason is not None for c in self.choices)
 
     def unfinished_request_ids(self) -> list[str]:
         return [request_id(self.job_id, i) for i, c in enumerate(self.choices) if c.finish_reason is None]
@@ -115,6 +105,10 @@ class ActiveJob:
     def apply(self, out: StepOutput, index: int, logprobs: list[TokenLogprob] | None) -> TokenEvent | None:
         """Record one step's output of choice ``index``; the event to publish, if it carries anything."""
         choice = self.choices[index]
+        if out.error is not None:  # the engine failed this choice alone: the job fails, its siblings are aborted
+            self.error = self.error or f"generation failed: {out.error}"
+            choice.finish_reason = "abort"
+            return None
         choice.texts.append(out.text_delta)
         choice.token_ids += out.new_token_ids
         if out.new_token_ids:
@@ -157,15 +151,14 @@ class ActiveJob:
         return JobResult(choices=choices, usage=usage)
 
 
-def model_card(name: str, engine: Engine) -> ModelCard:
+def model_card(name: str, engine: EnginePort) -> ModelCard:
     """What the API needs to validate and template requests for this model without loading it."""
     tokenizer = engine.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return ModelCard(
         name=name, max_model_len=engine.max_model_len, eos_token_ids=list(engine.eos_token_ids),
         chat_template=tokenizer.chat_template,
-        # The model's vocabulary (what token ids the engine accepts), not the tokenizer's length.
-        vocab_size=engine.runner.shape.vocab_size,
+        vocab_size=engine.vocab_size,  # the model's vocabulary (ids the engine accepts), not the tokenizer's length
         tokenizer_json=backend.to_str() if backend is not None else None,
         special_tokens={k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)},
     )

@@ -12,6 +12,7 @@ import os
 import secrets
 import signal
 import socket
+from collections.abc import Callable
 
 import transformers
 from redis.asyncio import Redis
@@ -49,8 +50,10 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def run_worker(settings: Settings) -> int:
-    """Serve ``settings.served_model_name`` from the Redis at ``settings.redis_url``; returns the exit code."""
+def run_worker(settings: Settings, make_engine: Callable[[EngineConfig], Engine] = Engine) -> int:
+    """Serve ``settings.served_model_name`` from the Redis at ``settings.redis_url``; returns the exit code.
+
+    ``make_engine`` builds the engine from its config (tests pass an engine with a fault built in)."""
     configure_logging(settings.log_level)
     if settings.redis_url is None:
         log.error("a worker needs TOKENSPOOL_REDIS_URL (or --redis-url): the Redis its API uses")
@@ -60,7 +63,7 @@ def run_worker(settings: Settings) -> int:
     # Weight loading's tqdm bars would interleave raw text with our JSON log lines.
     transformers.utils.logging.disable_progress_bar()
     engine_thread = EngineThread()
-    engine = engine_thread.build(lambda: Engine(engine_config(settings)))
+    engine = engine_thread.build(lambda: make_engine(engine_config(settings)))
     metrics = WorkerMetrics(settings.served_model_name)
     if settings.metrics_port is not None:
         # Only once the model is loaded: the port answering is what the orchestrator's probes wait for.

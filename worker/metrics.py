@@ -12,7 +12,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from shared.queue import JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS
+from shared.lifecycle_log import RECOVERIES
 from worker.engine.outputs import EngineStats
 
 # Latencies that include queueing: milliseconds on a GPU, up to minutes for a deep queue on a CPU.
@@ -122,7 +122,7 @@ class WorkerMetrics:
 
     def on_requeue_status(self, status: str) -> None:
         """A release or reap left the job ``status`` (queued, failed = dead-lettered, or cancelled)."""
-        self.on_job_event(JOBS_TOTAL_EVENT_OF_RECOVERED_STATUS[status])
+        self.on_job_event(RECOVERIES[status].jobs_total)
 
     # --- engine hooks (engine thread, or any thread) -----------------------------------------------------
 

@@ -14,10 +14,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Response
 from pydantic import BaseModel, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from api.auth import can_access
 from api.deps import CatalogDep, MetricsDep, OwnerDep, QueueDep, SettingsDep
 from api.errors import invalid_request, job_not_found
+from api.progress import with_progress
 from api.relay import JobRelay
 from api.sse import EventStreamResponse, format_event
 from api.submission import (
@@ -41,6 +43,7 @@ from shared.schemas import (
     ErrorEvent,
     GenerationParams,
     JobRecord,
+    JobStatus,
     JobSubmission,
     RestartEvent,
     StreamEvent,
@@ -85,8 +88,15 @@ class JobCreate(_JobOptions):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobCreate:
-        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
-            raise ValueError("exactly one of prompt, messages or prompt_token_ids must be given")
+        given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
+        if given != 1:
+            # ctx["param"] names the field in the error body (api/errors.py): a check across fields has no loc.
+            if given == 0:
+                raise PydanticCustomError("missing_prompt", "Missing required parameter: 'prompt' (or 'messages' "
+                                          "or 'prompt_token_ids').",
+                                          {"param": "prompt", "code": "missing_required_parameter"})
+            raise PydanticCustomError("one_prompt", "Give only one of 'prompt', 'messages' or 'prompt_token_ids', "
+                                      "not {given}.", {"param": "prompt", "given": given, "code": "invalid_value"})
         return self
 
 
@@ -188,11 +198,16 @@ async def _owned(queue: JobQueue, job_id: str, owner: str | None) -> None:
 
 
 @router.get("/{job_id}", response_model=JobRecord)
-async def get_job(job_id: str, queue: QueueDep, owner: OwnerDep) -> JobRecord:
+async def get_job(job_id: str, queue: QueueDep, catalog: CatalogDep, owner: OwnerDep) -> JobRecord:
+    """The job's record; while it runs, with its text so far and its prompt tokens (from its event log)."""
     await _owned(queue, job_id, owner)
     record = await queue.get(job_id)
     if record is None:
         raise job_not_found(job_id)
+    if record.status is JobStatus.RUNNING:
+        submission = await queue.get_submission(job_id)  # read only once the owner is known to be the caller
+        if submission is not None:
+            return await with_progress(queue, catalog, submission, record)
     return record
 
 

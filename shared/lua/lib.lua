@@ -48,40 +48,56 @@ local function finish(ctx, inflight, id, status, fields)
 end
 
 -- Back to the queue at the job's original score (its priority and FIFO place), under a new fence so the
--- previous holder's late writes are rejected. A restart event tells clients to drop the partial text, and
--- the log is trimmed to start at it: the failed attempt's tokens are never replayed again.
-local function requeue(ctx, inflight, id, attempts)
+-- previous holder's late writes are rejected. A restart event tells clients to drop the partial text (it names
+-- the attempt that comes next: `attempts` counts claims), and the log is trimmed to start at it: the failed
+-- attempt's tokens are never replayed again.
+local function requeue(ctx, inflight, id)
   local jk = job_key(ctx, id)
-  local model, score = unpack(redis.call('HMGET', jk, 'model', 'score'))
-  redis.call('HSET', jk, 'status', 'queued', 'attempts', attempts)
+  local model, score, attempts = unpack(redis.call('HMGET', jk, 'model', 'score', 'attempts'))
+  redis.call('HSET', jk, 'status', 'queued')
   redis.call('HDEL', jk, 'worker_id', 'started_at', 'first_token_at')
   redis.call('HINCRBY', jk, 'fence', 1)
   redis.call('ZREM', inflight, id)
   redis.call('ZADD', queue_key(ctx, model), score, id)
   redis.call('PUBLISH', wake_channel(ctx, model), id)
-  local seq = emit(ctx, id, '{"type":"restart","attempt":' .. (attempts + 1) .. '}')
+  local seq = emit(ctx, id, '{"type":"restart","attempt":' .. (tonumber(attempts) + 1) .. '}')
   redis.call('XTRIM', log_key(ctx, id), 'MINID', seq .. '-0')
 end
 
--- Lease lost or released: cancel if asked, dead-letter when out of attempts, otherwise requeue.
--- Returns the new status.
-local function retry_or_give_up(ctx, inflight, dead, id, attempts, why)
+-- Lease lost or released: cancel if asked, dead-letter once `crashes` (the crashes charged to the job) reach
+-- max_attempts, otherwise requeue. Returns the new status.
+local function retry_or_give_up(ctx, inflight, dead, id, crashes, why)
   local jk = job_key(ctx, id)
   if redis.call('HGET', jk, 'cancel') == '1' then
     finish(ctx, inflight, id, 'cancelled', {})
     return 'cancelled'
   end
-  if attempts >= ctx.max_attempts then
-    local err = 'job failed ' .. attempts .. ' times (' .. why .. '); gave up after max_attempts='
+  if crashes >= ctx.max_attempts then
+    local err = 'job failed ' .. crashes .. ' times running alone (' .. why .. '); gave up after max_attempts='
       .. ctx.max_attempts
     finish(ctx, inflight, id, 'failed', {'error', err})
     redis.call('ZADD', dead, fmt(now()), id)
     return 'failed'
   end
-  requeue(ctx, inflight, id, attempts)
+  requeue(ctx, inflight, id)
   return 'queued'
 end
 
+-- A crash took the job down: its lease expired (the worker died or froze) or its worker's engine failed. Only a
+-- job that ran alone can be blamed, so only then is the crash charged (`crashes`, against max_attempts). A job
+-- that ran beside others is not charged but isolated: from now on it runs alone (claim.lua). A poison job thus
+-- exhausts its attempts alone, while the innocent jobs of a batch it crashed lose nothing but a restart.
+local function crashed(ctx, inflight, dead, id, why)
+  local jk = job_key(ctx, id)
+  local crashes = 0
+  if redis.call('HGET', jk, 'alone') == '1' then
+    crashes = redis.call('HINCRBY', jk, 'crashes', 1)
+  else
+    redis.call('HSET', jk, 'isolate', 1)
+    crashes = tonumber(redis.call('HGET', jk, 'crashes') or '0') or 0
+  end
+  return retry_or_give_up(ctx, inflight, dead, id, crashes, why)
+end
 
 -- Cancel one job: a queued job is removed and finalised now (with `error` when given); a running job gets the
 -- durable cancel flag, joins its worker's cancel set and is announced on the worker's control channel (the

@@ -1,5 +1,6 @@
 -- reap: recover jobs whose lease expired (their worker died or lost Redis for longer than the lease):
--- requeue with the attempt charged, or fail + dead-letter after max_attempts, or finalise a cancelled one.
+-- requeue (the attempt charged if the job ran alone, else isolated: lib.lua `crashed`), or fail + dead-letter
+-- after max_attempts, or finalise a cancelled one.
 -- Also prunes old dead-letter entries and workers whose heartbeats stopped long ago.
 -- KEYS[1] in-flight set, KEYS[2] dead-letter set, KEYS[3] workers set; ARGV[1] ctx JSON, ARGV[2] limit.
 -- Returns {recovered, {id, model, worker id, new status}, ...}: `recovered` counts the expired entries looked
@@ -10,10 +11,9 @@ local t = now()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(t), 'LIMIT', 0, tonumber(ARGV[2]))
 local reply = {#expired}
 for _, id in ipairs(expired) do
-  local status, attempts, model, wid = unpack(redis.call('HMGET', job_key(ctx, id), 'status', 'attempts', 'model',
-    'worker_id'))
+  local status, model, wid = unpack(redis.call('HMGET', job_key(ctx, id), 'status', 'model', 'worker_id'))
   if status == 'running' then
-    local outcome = retry_or_give_up(ctx, KEYS[1], KEYS[2], id, tonumber(attempts), 'lease expired')
+    local outcome = crashed(ctx, KEYS[1], KEYS[2], id, 'lease expired')
     reply[#reply + 1] = {id, model or '', wid or '', outcome}
   else
     redis.call('ZREM', KEYS[1], id)

@@ -1,5 +1,6 @@
 """API test fixtures: a real uvicorn serving ``create_app`` on a free port, against the session's real Redis,
-and a test-only worker (``fake_worker.FakeWorker``) that completes jobs with text the tests predict.
+and the production worker in process over a scripted engine (``tests.worker.scripted_engine``), whose text the
+tests predict.
 
 A real server (not httpx's ASGI transport, which buffers whole responses) is what streaming, disconnects and
 the official openai client need.
@@ -16,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from fake_worker import MODEL, FakeWorker
 
 from api.app import create_app
 from api.http_limits import uvicorn_options
 from shared.config import Settings
-from shared.redis_server import free_port
+from shared.launcher.redis_server import free_port
+from tests.worker.scripted_engine import MODEL, InProcessWorker
 
 
 @dataclass
@@ -80,11 +81,12 @@ def api(start_api: Callable[..., ApiServer]) -> ApiServer:
 
 
 @pytest.fixture()
-def start_worker(redis_url: str) -> Iterator[Callable[..., FakeWorker]]:
-    workers: list[FakeWorker] = []
+def start_worker(redis_url: str) -> Iterator[Callable[..., InProcessWorker]]:
+    workers: list[InProcessWorker] = []
 
-    def start(**kwargs: Any) -> FakeWorker:
-        worker = FakeWorker(redis_url, test_settings(redis_url), worker_id=f"fake-{len(workers)}", **kwargs).start()
+    def start(**kwargs: Any) -> InProcessWorker:
+        worker = InProcessWorker(redis_url, test_settings(redis_url), worker_id=f"scripted-{len(workers)}",
+                                 **kwargs).start()
         workers.append(worker)
         return worker
 
@@ -94,7 +96,7 @@ def start_worker(redis_url: str) -> Iterator[Callable[..., FakeWorker]]:
 
 
 @pytest.fixture()
-def worker(start_worker: Callable[..., FakeWorker]) -> FakeWorker:
+def worker(start_worker: Callable[..., InProcessWorker]) -> InProcessWorker:
     return start_worker()
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fake_worker import CHATML, model_card
 
 from api.chat_template import ChatTemplate, ChatTemplateError
 from api.tokenization import ServedModel
 from shared.schemas import ModelCard
+from tests.worker.scripted_engine import CHATML, model_card
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, {{ not jinja }}"}]
 

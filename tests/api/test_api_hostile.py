@@ -15,7 +15,6 @@ import pytest
 import redis
 from conftest import ApiServer, parse_sse, wait_until
 from conftest import test_settings as api_settings
-from fake_worker import MODEL, FakeWorker
 from redis.asyncio import Redis
 
 from api.submission import new_job_id
@@ -23,6 +22,7 @@ from shared import keys
 from shared.job_stream import MAX_EVENT_SEQ
 from shared.queue import JobQueue
 from shared.schemas import Choice, GenerationParams, JobResult, JobSubmission, TokenEvent, Usage
+from tests.worker.scripted_engine import MODEL, InProcessWorker
 
 
 def test_a_batch_retried_after_a_429_is_created_afresh(start_api: Callable[..., ApiServer]) -> None:
@@ -49,7 +49,7 @@ def test_a_batch_retried_after_a_429_is_created_afresh(start_api: Callable[..., 
         assert [j["id"] for j in again] == [j["id"] for j in jobs]
 
 
-def test_event_ids_past_any_seq_are_a_400_naming_the_field(api: ApiServer, worker: FakeWorker) -> None:
+def test_event_ids_past_any_seq_are_a_400_naming_the_field(api: ApiServer, worker: InProcessWorker) -> None:
     with api.client() as client:
         job_id = client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2}).json()["id"]
         wait_until(lambda: client.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded")
@@ -183,8 +183,9 @@ async def test_rollback_cancels_running_jobs_too_and_keeps_keys_it_does_not_own(
         assert await queue.queue_depth(MODEL) == 0
 
 
-def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing(api: ApiServer, worker: FakeWorker) -> None:
-    """The fake worker's card: 512 tokens, longest vocabulary entry 12 characters (credited as 16): no prompt of
+def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing(api: ApiServer,
+                                                                        worker: InProcessWorker) -> None:
+    """The scripted worker's card: 512 tokens, longest vocabulary entry 12 characters (credited as 16): no prompt of
     more than 8192 characters can fit, and one is refused by its length alone; a shorter one is tokenized."""
     with api.client() as client:
         over = client.post("/v1/jobs", json={"prompt": "hello " * 1400, "max_tokens": 2})  # 8400 characters

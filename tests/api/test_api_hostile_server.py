@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import redis
-from fake_worker import MODEL, model_card
 
 from shared import keys
-from shared.redis_server import RedisServer
+from shared.launcher.redis_server import RedisServer
 from tests.conftest import smollm2_folder
 from tests.reliability.stack import ApiProcess
+from tests.worker.scripted_engine import MODEL, model_card
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 from conftest import ApiServer, wait_until
-from fake_worker import MODEL, FakeWorker, expected_text
+
+from tests.worker.scripted_engine import MODEL, InProcessWorker, expected_text
 
 
 @pytest.fixture()
@@ -31,7 +32,7 @@ def test_api_keys_are_required_when_configured(keyed_api: ApiServer) -> None:
     assert httpx.get(f"{keyed_api.base_url}/healthz").status_code == 200
 
 
-def test_a_job_is_visible_only_to_the_key_that_created_it(keyed_api: ApiServer, worker: FakeWorker) -> None:
+def test_a_job_is_visible_only_to_the_key_that_created_it(keyed_api: ApiServer, worker: InProcessWorker) -> None:
     with keyed_api.client("key-alice") as alice, keyed_api.client("key-bob") as bob:
         job_id = alice.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2}).json()["id"]
         wait_until(lambda: alice.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded")
@@ -99,7 +100,7 @@ def _job_id_from(raw: str) -> str:
     return str(json.loads(first[: first.index("\n")])["id"]).removeprefix("chatcmpl-")
 
 
-def test_disconnecting_a_stream_cancels_its_job(api: ApiServer, start_worker: Callable[..., FakeWorker]) -> None:
+def test_disconnecting_a_stream_cancels_its_job(api: ApiServer, start_worker: Callable[..., InProcessWorker]) -> None:
     worker = start_worker(token_delay_s=0.05)
     raw = _read_some_then_disconnect(api, {"messages": [{"role": "user", "content": "fox"}], "max_tokens": 400,
                                            "stream": True})
@@ -109,7 +110,7 @@ def test_disconnecting_a_stream_cancels_its_job(api: ApiServer, start_worker: Ca
     assert job_id in worker.cancelled
 
 
-def test_background_stream_survives_its_client(api: ApiServer, start_worker: Callable[..., FakeWorker]) -> None:
+def test_background_stream_survives_its_client(api: ApiServer, start_worker: Callable[..., InProcessWorker]) -> None:
     worker = start_worker(token_delay_s=0.01)
     raw = _read_some_then_disconnect(api, {"messages": [{"role": "user", "content": "fox"}], "max_tokens": 60,
                                            "stream": True, "background": True})
@@ -121,7 +122,7 @@ def test_background_stream_survives_its_client(api: ApiServer, start_worker: Cal
 
 
 def test_disconnecting_a_non_streamed_request_cancels_its_job(api: ApiServer,
-                                                              start_worker: Callable[..., FakeWorker]) -> None:
+                                                              start_worker: Callable[..., InProcessWorker]) -> None:
     worker = start_worker(token_delay_s=0.05)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{api.base_url}/v1/completions", json={"prompt": "fox", "max_tokens": 400}, timeout=0.5)
@@ -130,7 +131,7 @@ def test_disconnecting_a_non_streamed_request_cancels_its_job(api: ApiServer,
     wait_until(lambda: httpx.get(f"{api.base_url}/v1/jobs/{job_id}").json()["status"] == "cancelled")
 
 
-def test_health_readiness_and_metrics(api: ApiServer, start_worker: Callable[..., FakeWorker]) -> None:
+def test_health_readiness_and_metrics(api: ApiServer, start_worker: Callable[..., InProcessWorker]) -> None:
     with api.client() as client:
         assert client.get("/healthz").json() == {"status": "ok"}
         not_ready = client.get("/readyz")

@@ -15,10 +15,10 @@ from shared.logging_setup import JsonFormatter
 from shared.queue import JobQueue
 from shared.schemas import JobStatus, WorkerInfo
 from tests.api.conftest import ApiServer, wait_until
-from tests.api.fake_worker import MODEL, model_card
 from tests.deploy.test_k8s_manifests import contract_metrics
 from tests.observability.helpers import Samples, exported_types, scrape, value
 from tests.queue.queue_helpers import make_job
+from tests.worker.scripted_engine import MODEL, model_card
 
 
 @pytest.fixture()
@@ -73,13 +73,13 @@ async def test_metrics_show_queue_depth_per_priority_and_worker_heartbeats(
 
 async def test_reaped_jobs_are_counted_as_retried_then_dead_lettered(
         start_api: Callable[..., ApiServer], redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
-    """A worker that claims and dies, twice: the API's reaper requeues the job, then gives up on it."""
+    """A worker that claims and dies, three times: the API's reaper requeues the job twice, then gives up on it."""
     api = start_api(lease_ttl_s=0.5, heartbeat_interval_s=0.2, max_attempts=2)
     queue = JobQueue(redis, api.settings)
     caplog.set_level(logging.INFO, logger="shared.queue")
     job = make_job(model=MODEL)
     await queue.submit(job)
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):  # the first crash isolates the job (uncharged); two more alone dead-letter it
         worker_id = f"doomed-{attempt}"
         assert [c.attempt for c in await queue.claim(MODEL, worker_id, 1)] == [attempt]
         wait_until(lambda w=worker_id: any(getattr(r, "worker_id", None) == w for r in caplog.records),
@@ -87,11 +87,11 @@ async def test_reaped_jobs_are_counted_as_retried_then_dead_lettered(
     assert (await queue.get(job.id)).status == JobStatus.FAILED  # type: ignore[union-attr]
 
     samples = metrics_eventually(api, lambda s: value(s, "tokenspool_dead_letter_jobs") == 1, "dead-letter gauge")
-    assert value(samples, "tokenspool_jobs_total", model=MODEL, event="retried") == 1
+    assert value(samples, "tokenspool_jobs_total", model=MODEL, event="retried") == 2
     assert value(samples, "tokenspool_jobs_total", model=MODEL, event="dead_lettered") == 1
     lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if getattr(r, "job_id", None) == job.id]
     assert [(line["event"], line["worker_id"], line["model"]) for line in lines] == [
-        ("requeued", "doomed-1", MODEL), ("dead_lettered", "doomed-2", MODEL)]
+        ("requeued", "doomed-1", MODEL), ("requeued", "doomed-2", MODEL), ("dead_lettered", "doomed-3", MODEL)]
 
 
 def test_the_api_exports_only_contract_metrics(api: ApiServer) -> None:

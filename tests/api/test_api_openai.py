@@ -8,14 +8,15 @@ import httpx
 import openai
 import pytest
 from conftest import ApiServer, parse_sse, wait_until
-from fake_worker import MODEL, FakeWorker, expected_text
+
+from tests.worker.scripted_engine import MODEL, InProcessWorker, expected_text
 
 
 def _client(api: ApiServer, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{api.base_url}/v1", api_key=key, max_retries=0, timeout=30)
 
 
-def test_completion(api: ApiServer, worker: FakeWorker) -> None:
+def test_completion(api: ApiServer, worker: InProcessWorker) -> None:
     completion = _client(api).completions.create(model=MODEL, prompt="the quick fox", max_tokens=7)
     assert completion.id.startswith("cmpl-")
     assert completion.object == "text_completion"
@@ -28,7 +29,7 @@ def test_completion(api: ApiServer, worker: FakeWorker) -> None:
     assert job["status"] == "succeeded" and job["text"] == completion.choices[0].text
 
 
-def test_chat_completion_with_n_stop_and_logprobs(api: ApiServer, worker: FakeWorker) -> None:
+def test_chat_completion_with_n_stop_and_logprobs(api: ApiServer, worker: InProcessWorker) -> None:
     chat = _client(api).chat.completions.create(
         messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello brown fox"}],
         model=MODEL, max_completion_tokens=6, n=2, stop=["fox-"], logprobs=True, top_logprobs=2, seed=3,
@@ -38,7 +39,7 @@ def test_chat_completion_with_n_stop_and_logprobs(api: ApiServer, worker: FakeWo
     assert [c.index for c in chat.choices] == [0, 1]
     for choice in chat.choices:
         assert choice.message.role == "assistant"
-        assert choice.message.content == expected_text("hello brown fox", 6, choice.index, stop=("fox-",))
+        assert choice.message.content == expected_text("be brief hello brown fox", 6, choice.index, stop=("fox-",))
         assert choice.finish_reason == "stop"
         assert choice.logprobs is not None and choice.logprobs.content is not None
         first = choice.logprobs.content[0]
@@ -47,7 +48,7 @@ def test_chat_completion_with_n_stop_and_logprobs(api: ApiServer, worker: FakeWo
     assert job["priority"] == 2
 
 
-def test_streamed_chat_with_usage(api: ApiServer, worker: FakeWorker) -> None:
+def test_streamed_chat_with_usage(api: ApiServer, worker: InProcessWorker) -> None:
     stream = _client(api).chat.completions.create(
         messages=[{"role": "user", "content": "quick brown"}], model=MODEL, max_tokens=9, stream=True,
         stream_options={"include_usage": True},
@@ -61,7 +62,7 @@ def test_streamed_chat_with_usage(api: ApiServer, worker: FakeWorker) -> None:
     assert len({c.id for c in chunks}) == 1
 
 
-def test_streamed_completion_wire_format(api: ApiServer, worker: FakeWorker) -> None:
+def test_streamed_completion_wire_format(api: ApiServer, worker: InProcessWorker) -> None:
     body = {"prompt": "fox", "max_tokens": 3, "stream": True, "logprobs": 1, "n": 2}
     response = httpx.post(f"{api.base_url}/v1/completions", json=body, timeout=30)
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -76,7 +77,7 @@ def test_streamed_completion_wire_format(api: ApiServer, worker: FakeWorker) -> 
     assert with_logprobs and with_logprobs[0]["choices"][0]["logprobs"]["token_logprobs"] == [-0.25]
 
 
-def test_non_streamed_completion_logprobs(api: ApiServer, worker: FakeWorker) -> None:
+def test_non_streamed_completion_logprobs(api: ApiServer, worker: InProcessWorker) -> None:
     completion = _client(api).completions.create(model=MODEL, prompt="fox", max_tokens=2, logprobs=2)
     logprobs = completion.choices[0].logprobs
     assert logprobs is not None
@@ -85,7 +86,7 @@ def test_non_streamed_completion_logprobs(api: ApiServer, worker: FakeWorker) ->
     assert logprobs.top_logprobs is not None and len(logprobs.top_logprobs[0]) == 2
 
 
-async def test_async_client_streams_and_waits(api: ApiServer, worker: FakeWorker) -> None:
+async def test_async_client_streams_and_waits(api: ApiServer, worker: InProcessWorker) -> None:
     client = openai.AsyncOpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
     stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=5, stream=True)
     text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
@@ -116,13 +117,13 @@ async def test_150_concurrent_streams_each_get_their_complete_text(api: ApiServe
         assert text == expected_text(f"client{i} says hello", 20)
 
 
-def test_models_lists_the_served_model(api: ApiServer, worker: FakeWorker) -> None:
+def test_models_lists_the_served_model(api: ApiServer, worker: InProcessWorker) -> None:
     models = _client(api).models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra == {"max_model_len": 512}
 
 
-def test_errors_reach_the_client_as_typed_exceptions(api: ApiServer, worker: FakeWorker) -> None:
+def test_errors_reach_the_client_as_typed_exceptions(api: ApiServer, worker: InProcessWorker) -> None:
     client = _client(api)
     with pytest.raises(openai.NotFoundError) as not_found:
         client.completions.create(model="no-such-model", prompt="hi")
@@ -143,11 +144,12 @@ def test_errors_reach_the_client_as_typed_exceptions(api: ApiServer, worker: Fak
     assert missing.value.param == "messages"
 
 
-def test_chat_default_max_tokens_fills_the_context(api: ApiServer, worker: FakeWorker) -> None:
-    # The test template renders 12 tokens for one word: '<|', 'im_start', '|>', 'user', 'fox', '<|', ... 'assistant'.
+def test_chat_default_max_tokens_fills_the_context(api: ApiServer, worker: InProcessWorker) -> None:
+    # The test template renders 6 tokens for one word: '<|im_start|>', 'user', 'fox', '<|im_end|>', '<|im_start|>',
+    # 'assistant' (the markers are special tokens, as in a real chat model); the API and the worker count alike.
     response = httpx.post(f"{api.base_url}/v1/chat/completions", timeout=30,
                           json={"messages": [{"role": "user", "content": "fox"}]})
     assert response.status_code == 200
     job_id = response.json()["id"].removeprefix("chatcmpl-")
     wait_until(lambda: httpx.get(f"{api.base_url}/v1/jobs/{job_id}").json()["status"] == "succeeded")
-    assert response.json()["usage"]["completion_tokens"] == 512 - 12
+    assert response.json()["usage"]["completion_tokens"] == 512 - 6

@@ -1,20 +1,21 @@
 """Property-based fuzzing of every operation in our OpenAPI schema (schemathesis): no input yields a 5xx.
 
 Bounded for CI: a few examples per operation, small caps (``max_tokens_cap``, ``max_n``) so the accepted
-requests finish quickly on the fake worker, and a request timeout so a hang fails instead of stalling.
+requests finish quickly on the scripted engine, and a request timeout so a hang fails instead of stalling.
 """
 
 from __future__ import annotations
 
 import schemathesis
 from conftest import ApiServer
-from fake_worker import FakeWorker
 from hypothesis import HealthCheck, given, settings
+
+from tests.worker.scripted_engine import InProcessWorker
 
 MAX_EXAMPLES = 15
 
 
-def test_no_input_makes_a_server_error(start_api: object, worker: FakeWorker) -> None:
+def test_no_input_makes_a_server_error(start_api: object, worker: InProcessWorker) -> None:
     api: ApiServer = start_api(max_tokens_cap=8, max_n=2, max_batch_size=4)  # type: ignore[operator]
     schema = schemathesis.openapi.from_url(f"{api.base_url}/openapi.json")
     failures: list[str] = []

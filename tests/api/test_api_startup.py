@@ -18,7 +18,7 @@ t0 = time.perf_counter()
 import uvicorn
 from api.app import create_app
 from shared.config import Settings
-from shared.redis_server import free_port
+from shared.launcher.redis_server import free_port
 port = free_port()
 server = uvicorn.Server(uvicorn.Config(create_app(Settings(redis_url=sys.argv[1])), port=port, log_level="error"))
 threading.Thread(target=server.run, daemon=True).start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from fake_worker import model_card
 from redis.asyncio import Redis
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -13,6 +12,7 @@ from api.tokenization import ModelCatalog
 from shared.config import Settings
 from shared.queue import JobQueue
 from shared.schemas import WorkerInfo
+from tests.worker.scripted_engine import model_card
 
 
 async def publish_card(queue: JobQueue, tokenizer_json: str) -> None:

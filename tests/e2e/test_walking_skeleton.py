@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from shared.redis_server import RedisServer, free_port
+from shared.launcher.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,9 +37,9 @@ JOB_TIMEOUT_S = 180.0
 
 
 def tokenspool_command() -> list[str]:
-    """The installed console script, as a user runs it (``python -m shared.cli`` if it is not installed)."""
+    """The installed console script, as a user runs it (``python -m shared.launcher.cli`` if it is not installed)."""
     script = Path(sys.executable).parent / "tokenspool"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "shared.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "shared.launcher.cli"]
 
 
 def clean_env() -> dict[str, str]:
@@ -316,6 +316,15 @@ def test_tokenspool_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path: Path, greedy
         assert f"http://127.0.0.1:{port}" in banner and "curl" in banner
         base_url = f"http://127.0.0.1:{port}"
         prompt = PROMPTS[2]
+        assert_matches(poll(base_url, submit(base_url, prompt), [up]), greedy[prompt])
+
+        # A worker that dies is restarted (the API stays up meanwhile) and the next job is served.
+        [worker] = [pid for pid in descendants(up.proc.pid) if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                    and b"shared.launcher.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: "restarting worker-0" in up.log.read_text(), [up], 30, "the worker's restart")
+        assert http_ok(f"{base_url}/healthz")
+        prompt = PROMPTS[0]
         assert_matches(poll(base_url, submit(base_url, prompt), [up]), greedy[prompt])
 
         redis_port = int((tmp_path / "data" / "redis" / "redis.port").read_text())

@@ -136,15 +136,15 @@ def test_pool_caps_max_model_len(tiny_llama: Path) -> None:
     assert small.max_model_len == 40  # a request alone always fits, so preemption always makes progress
 
 
-def test_has_capacity_counts_seats(tiny_llama: Path) -> None:
+def test_free_seats_counts_seats(tiny_llama: Path) -> None:
     small = Engine(EngineConfig(model=str(tiny_llama), block_size=8, num_kv_blocks=16, max_num_seqs=2))
-    assert small.has_capacity() and small.free_seats() == 2
+    assert small.free_seats() == 2
     small.add_request("a", PROMPT, greedy(2))
     assert small.free_seats() == 1
     small.add_request("b", PROMPT, greedy(2))
-    assert not small.has_capacity() and small.free_seats() == 0 and small.has_unfinished()
+    assert small.free_seats() == 0 and small.has_unfinished()
     drain(small)
-    assert small.has_capacity() and small.free_seats() == 2 and not small.has_unfinished()
+    assert small.free_seats() == 2 and not small.has_unfinished()
 
 
 def test_prefix_caching_reuses_blocks_with_identical_output(tiny_llama: Path, engine: Engine) -> None:

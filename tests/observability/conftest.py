@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from shared.launcher.redis_server import RedisServer
 from shared.queue import JobQueue
-from shared.redis_server import RedisServer
 from tests.observability.helpers import ObservedWorker
 from tests.queue.queue_helpers import worker_test_queue
-from tests.queue.worker_process import WorkerProcess
+from tests.worker.worker_process import WorkerProcess
 
 
 @pytest.fixture(scope="module")

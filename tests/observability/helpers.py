@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.queue.worker_process import WorkerProcess
+from tests.worker.worker_process import WorkerProcess
 
 MODEL = "tiny"
 

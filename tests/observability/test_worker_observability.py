@@ -15,7 +15,7 @@ from shared.schemas import GenerationParams, JobStatus
 from tests.deploy.test_k8s_manifests import contract_metrics
 from tests.observability.helpers import MODEL, ObservedWorker, delta, exported_types, value
 from tests.queue.queue_helpers import make_job
-from tests.queue.worker_process import wait_final, wait_tokens
+from tests.worker.worker_process import wait_final, wait_tokens
 from worker.engine.outputs import EngineStats
 from worker.metrics import WorkerMetrics
 
@@ -140,7 +140,7 @@ async def test_each_transition_is_one_json_line_with_the_job_fields_and_no_text(
     assert [line["event"] for line in mine] == ["claimed", "first_token", "finished"]
     for line in mine:
         assert (line["model"], line["worker_id"], line["level"]) == (MODEL, observed_worker.worker_id, "INFO")
-        assert line["logger"] == "worker.runner" and job.id in line["msg"]
+        assert line["logger"].startswith("worker.") and job.id in line["msg"]
     claimed, _, finished = mine
     assert claimed["attempt"] == 1 and claimed["num_prompt_tokens"] == record.usage.prompt_tokens
     assert finished["completion_tokens"] == 12 and finished["finish_reasons"] == ["length"]

@@ -113,20 +113,23 @@ async def test_expired_lease_requeues_at_its_priority_with_a_restart_event(queue
 
 
 async def test_max_attempts_fails_the_job_into_the_dead_letter_set(redis: Redis, redis_url: str) -> None:
+    """The first crash (beside others, as far as the queue knows) isolates the job without charging it; then
+    max_attempts crashes while running alone dead-letter it."""
     queue = JobQueue(redis, queue_settings(redis_url, lease_ttl_s=0.2, max_attempts=2), poll_interval_s=0.2)
     job = make_job()
     await queue.submit(job)
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         [claim] = await queue.claim(MODEL, f"w{attempt}", 1)
-        assert claim.attempt == attempt
+        assert (claim.attempt, claim.alone) == (attempt, attempt > 1)
         await asyncio.sleep(0.3)
         assert await queue.reap_expired() == 1
 
     record = await queue.get(job.id)
-    assert record is not None and record.status is JobStatus.FAILED
+    assert record is not None and record.status is JobStatus.FAILED and record.attempts == 3
     assert record.error is not None and "max_attempts=2" in record.error and "lease expired" in record.error
+    assert "2 times running alone" in record.error
     assert await queue.dead_letters() == [job.id]
-    assert await queue.claim(MODEL, "w3", 1) == []
+    assert await queue.claim(MODEL, "w4", 1) == []
     assert 0 < await redis.ttl(keys.job(job.id)) <= 600
 
 
@@ -136,9 +139,12 @@ async def test_release_without_charge_keeps_the_attempt_count(queue: JobQueue) -
     [claim] = await queue.claim(MODEL, "w1", 1)
     assert await queue.release(job.id, claim.fence, charge_attempt=False)
     record = await queue.get(job.id)
-    assert record is not None and (record.status, record.attempts) == (JobStatus.QUEUED, 0)
+    assert record is not None and (record.status, record.attempts) == (JobStatus.QUEUED, 1)
+    [restart] = await queue.replay(job.id, 0)
+    assert restart == {"seq": 1, "type": "restart", "attempt": 2}  # attempts count claims; the next is 2
     [claim] = await queue.claim(MODEL, "w2", 1)
-    assert claim.attempt == 1
+    assert (claim.attempt, claim.alone) == (2, False)  # a drain is no crash: the job is not isolated
+    assert await queue.redis.hmget(keys.job(job.id), "isolate", "crashes") == [None, None]
 
 
 async def test_cancel_a_queued_job_removes_and_finalises_it(queue: JobQueue) -> None:
@@ -274,3 +280,27 @@ async def test_worker_registry_and_model_cards(queue: JobQueue) -> None:
     await queue.deregister_worker("w1")
     assert await queue.live_workers() == [] and await queue.model_cards() == []
     assert await queue.model_card(MODEL) == card  # still known: jobs may queue while workers restart
+
+
+async def test_a_crash_isolates_the_jobs_it_took_down_without_charging_them(queue: JobQueue) -> None:
+    """Three jobs ran together when their worker died: none is charged, each runs alone next, and only an idle
+    worker is handed one. A busy worker claims nothing behind an isolated job at the head of the queue."""
+    jobs = [make_job() for _ in range(3)]
+    for job in jobs:
+        await queue.submit(job)
+    assert len(await queue.claim(MODEL, "w1", 5)) == 3
+    await asyncio.sleep(0.6)
+    assert await queue.reap_expired() == 3
+    for job in jobs:
+        assert await queue.redis.hmget(keys.job(job.id), "isolate", "crashes", "attempts") == ["1", None, "1"]
+    late = make_job()
+    await queue.submit(late)
+
+    assert await queue.claim(MODEL, "busy", 5, idle=False) == []  # drains instead of jumping the queue
+    [solo] = await queue.claim(MODEL, "w2", 5, idle=True)  # alone, though five seats were offered
+    assert (solo.submission.id, solo.attempt, solo.alone) == (jobs[0].id, 2, True)
+
+    # Crashing again while alone is charged; a crash is charged by a release after an engine failure too.
+    assert await queue.release(solo.submission.id, solo.fence, charge_attempt=True)
+    assert await queue.redis.hget(keys.job(jobs[0].id), "crashes") == "1"
+    assert [c.submission.id for c in await queue.claim(MODEL, "w3", 1)] == [jobs[0].id]

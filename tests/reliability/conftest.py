@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.redis_server import RedisServer
-from tests.queue.worker_process import WorkerProcess
+from shared.launcher.redis_server import RedisServer
 from tests.reliability.stack import MODEL, ApiProcess
+from tests.worker.worker_process import WorkerProcess
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from shared.redis_server import free_port
+from shared.launcher.redis_server import free_port
 from tests.e2e.test_walking_skeleton import Process, clean_env, http_ok, spawn, stop, tokenspool_command
-from tests.queue.worker_process import WorkerProcess
+from tests.worker.worker_process import WorkerProcess
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 MODEL = "tiny-rel"  # the served model name: its own queue, so no other suite's worker or job mixes in

@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from shared import keys
-from tests.queue.worker_process import WorkerProcess
 from tests.reliability.stack import TERMINAL, ApiProcess, poll, submit
+from tests.worker.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ from redis.asyncio import Redis as AsyncRedis
 
 from shared import keys
 from shared.config import Settings
+from shared.launcher.redis_server import RedisServer, find_redis_server, free_port
 from shared.queue import JobQueue
-from shared.redis_server import RedisServer, find_redis_server, free_port
 from tests.queue.queue_helpers import make_job
-from tests.queue.worker_process import WorkerProcess
 from tests.reliability.stack import MODEL, ApiProcess, follow, poll, submit
+from tests.worker.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import pytest
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.redis_server import RedisServer
-from tests.queue.worker_process import WorkerProcess
+from shared.launcher.redis_server import RedisServer
 from tests.reliability.stack import ApiProcess, Stream, assert_clean_stream, follow, poll, submit
+from tests.worker.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ import pytest
 from redis.asyncio import Redis
 
 from shared import keys
-from tests.queue.worker_process import WorkerProcess
 from tests.reliability.stack import ApiProcess, assert_clean_stream, follow, frozen, poll, submit, worker_log
+from tests.worker.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.slow
 

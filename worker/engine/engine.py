@@ -19,16 +19,18 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from worker.engine.draw import Draw, draw_tokens
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, FinishReason, Logprob, RequestOutput, StepOutput
 from worker.engine.request import Request, validate_request
 from worker.engine.sampler import Sampler, make_generator, prepare_sampling_batch
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.spec_decode import SpeculativeDecoder, make_speculative_decoder
 from worker.models import resolve_model
 
 log = logging.getLogger(__name__)
+SEED_MODULUS = 2**63  # choice i of a seeded group draws with seed + i, wrapped into the allowed seed range
 
 
 def eos_token_ids_of(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -63,6 +65,11 @@ class Engine:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts: [0, vocab_size)."""
+        return self.runner.shape.vocab_size
 
     @property
     def max_model_len(self) -> int:
@@ -112,7 +119,7 @@ class Engine:
             raise ValueError(f"request_ids must be non-empty strings, got {ids!r:.200}")
         prompt = list(prompt_token_ids)
         requests = [self._make_request(rid, prompt, params if params.seed is None else
-                                       dataclasses.replace(params, seed=params.seed + i), priority,
+                                       dataclasses.replace(params, seed=(params.seed + i) % SEED_MODULUS), priority,
                                        next(self._arrivals))
                     for i, rid in enumerate(ids)]
         for request in requests:
@@ -123,7 +130,11 @@ class Engine:
             self.scheduler.add_group(requests[0], requests[1:])
 
     def step(self) -> list[StepOutput]:
-        """Advance every scheduled request by one forward pass; returns what happened (empty when idle)."""
+        """Advance every scheduled request by one forward pass; returns what happened (empty when idle).
+
+        A request whose logits or sampling fail ends alone with finish reason "error" (``worker.engine.draw``);
+        only a failure of the forward pass itself, which no single request can be blamed for, raises.
+        """
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # sets spec_token_ids of requests about to decode
         output = self.scheduler.schedule()
@@ -131,10 +142,12 @@ class Engine:
             return []
         logits = self.runner.execute(output)  # [num_sampled (+ speculative positions), V]
         self.scheduler.cache_computed_blocks(output, self._requests)
-        if self.spec is None:
-            return self._postprocess(output, logits)
-        events = self._postprocess_speculative(output, logits)
-        self.spec.forget(self.scheduler.running)
+        chunks = [c for c in output.chunks if c.needs_logits]
+        requests = [self._requests[c.request_id] for c in chunks]
+        events = [self._settle(r, d) for r, d in zip(requests, draw_tokens(requests, chunks, logits, self._draw),
+                                                     strict=True)]
+        if self.spec is not None:
+            self.spec.forget(self.scheduler.running)
         return events
 
     def abort(self, request_id: str) -> bool:
@@ -147,10 +160,6 @@ class Engine:
         if self.spec is not None:
             self.spec.forget(self.scheduler.running)
         return True
-
-    def has_capacity(self) -> bool:
-        """Room for at least one more request right now (a free seat and a free block)."""
-        return self.free_seats() > 0
 
     def free_seats(self) -> int:
         """How many more requests the engine takes right now: its free seats, none without a free block."""
@@ -203,38 +212,46 @@ class Engine:
                               finish_reason=r.finish_reason or "abort", logprobs=tuple(r.logprobs),
                               num_cached_tokens=r.num_cached_tokens) for r in requests]
 
-    def _postprocess(self, output: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
-        """Sample one token for each request whose chunk reached its last known token; emit their events."""
-        sampled = [self._requests[c.request_id] for c in output.chunks if c.needs_logits]
-        if not sampled:
-            return []
+    def _draw(self, requests: Sequence[Request], chunks: Sequence[ScheduledChunk], logits: torch.Tensor
+              ) -> list[Draw]:
+        """Sample one token per request; with speculation, verify each request's speculative tokens instead
+        (requests without any sample as usual) and keep the accepted ones."""
+        if self.spec is not None:
+            return [Draw(v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted_tokens)
+                    for v in self.spec.verify(requests, chunks, logits)]
         batch = prepare_sampling_batch(
-            [r.params for r in sampled], [r.prompt_token_ids for r in sampled],
-            [r.output_token_ids for r in sampled], [r.generator for r in sampled],
+            [r.params for r in requests], [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests], [r.generator for r in requests],
             self.eos_token_ids, self.runner.device)
         result = self.sampler(logits, batch)
-        token_ids = result.token_ids.tolist()
-        return [self._append_token(r, t, lp) for r, t, lp in zip(sampled, token_ids, result.logprobs, strict=True)]
+        return [Draw([t], [lp]) for t, lp in zip(result.token_ids.tolist(), result.logprobs, strict=True)]
 
-    def _postprocess_speculative(self, output: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
-        """Verify each request's speculative tokens (requests without any sample as usual), keep the accepted
-        ones, and roll the rest back: their K/V stops counting as computed and emptied blocks are freed."""
-        assert self.spec is not None
-        chunks = [c for c in output.chunks if c.needs_logits]
-        requests = [self._requests[c.request_id] for c in chunks]
-        events = []
-        for request, verified in zip(requests, self.spec.verify(requests, chunks, logits), strict=True):
-            event = self._append_tokens(request, verified.token_ids, verified.logprobs,
-                                        verified.num_draft_tokens, verified.num_accepted_tokens)
+    def _settle(self, request: Request, draw: Draw) -> StepOutput:
+        """Append a request's drawn tokens (rolling back rejected speculative K/V), or end it with its error."""
+        if draw.error is not None:
+            return self._fail(request, draw.error)
+        try:
+            event = self._append_tokens(request, draw.token_ids, draw.logprobs, draw.num_draft_tokens,
+                                        draw.num_accepted_tokens)
+        except Exception as exc:  # e.g. the detokenizer on a token it cannot decode: this request's fault alone
+            log.warning("request %s failed after sampling: %r", request.request_id, exc)
+            return self._fail(request, f"detokenizing failed: {type(exc).__name__}: {exc}"[:500])
+        if self.spec is not None:
             self.spec.record(event.num_draft_tokens, event.num_accepted_tokens)
             if not request.is_finished:
-                self.scheduler.accept_speculation(request, verified.num_accepted_tokens)
-            events.append(event)
-        return events
+                self.scheduler.accept_speculation(request, draw.num_accepted_tokens)
+        return event
 
-    def _append_token(self, request: Request, token_id: int, logprob: Logprob | None) -> StepOutput:
-        """Record a sampled token, detokenize it and decide whether the request is done."""
-        return self._append_tokens(request, [token_id], [logprob])
+    def _fail(self, request: Request, error: str) -> StepOutput:
+        """End one request with finish reason "error"; its blocks are freed and the rest of the batch goes on."""
+        log.warning("request %s failed: %s", request.request_id, error)
+        request.finish_reason = "error"
+        self._requests.pop(request.request_id, None)
+        self.scheduler.finish(request)
+        return StepOutput(request_id=request.request_id, new_token_ids=(), text_delta="", finished=True,
+                          finish_reason="error", num_prompt_tokens=request.num_prompt_tokens,
+                          num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
+                          error=error)
 
     def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list[Logprob | None],
                        num_draft_tokens: int = 0, num_accepted_tokens: int = 0) -> StepOutput:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+# "error": the request could not go on (its logits were not finite, or sampling it raised); ``StepOutput.error``
+# says why. Only that request ends: the rest of the batch continues.
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class StepOutput:
     logprobs: tuple[Logprob, ...] = ()
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error"
 
 
 @dataclass(frozen=True)

@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 import redis
-from queue_helpers import make_job, worker_test_queue
-from worker_process import WorkerProcess, client_text, read_all, wait_final, wait_tokens
 
 from shared import keys
+from shared.launcher.redis_server import RedisServer
 from shared.queue import JobQueue
-from shared.redis_server import RedisServer
 from shared.schemas import (
     ChatMessage,
     DoneEvent,
     GenerationParams,
     JobStatus,
 )
+from tests.queue.queue_helpers import make_job, worker_test_queue
+from tests.worker.worker_process import WorkerProcess, client_text, read_all, wait_final, wait_tokens
 
 pytestmark = pytest.mark.slow
 LUA_SUBMIT = Path(__file__).resolve().parents[2] / "shared" / "lua" / "submit.lua"

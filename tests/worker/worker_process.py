@@ -23,7 +23,7 @@ class WorkerProcess:
     """One worker serving ``model`` (a folder) as ``name``; short leases so recovery tests are quick."""
 
     def __init__(self, redis_url: str, model: Path, log_dir: Path, worker_id: str, name: str = "tiny",
-                 **settings: object) -> None:
+                 module: str = "worker", **settings: object) -> None:
         self.redis_url = redis_url
         self.worker_id = worker_id
         self.log_path = log_dir / f"{worker_id}.log"
@@ -34,11 +34,12 @@ class WorkerProcess:
         env.update({f"TOKENSPOOL_{k.upper()}": str(v) for k, v in settings.items()})
         self.env = {**os.environ, **env}
         self.proc: subprocess.Popen[bytes] | None = None
+        self.module = module  # what ``python -m`` runs: the real worker, or a test worker built on it
 
     def start(self, timeout_s: float = 90.0) -> WorkerProcess:
         """Start it and wait until it is registered in Redis (model loaded)."""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "worker"], env=self.env, cwd=REPO,
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=self.env, cwd=REPO,
                                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         with redis.Redis.from_url(self.redis_url) as client:
@@ -47,6 +48,9 @@ class WorkerProcess:
                     raise RuntimeError(f"worker {self.worker_id} did not start:\n{self.log_tail()}")
                 time.sleep(0.1)
         return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: signal.Signals) -> None:
         assert self.proc is not None

@@ -17,6 +17,7 @@ import sys
 import types
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import ValidationError
 
@@ -45,7 +46,7 @@ COMMAND_FIELDS: dict[str, tuple[str, ...]] = {
 # `bench serve` is the installed load generator (shared/loadgen.py); the others are scripts in benchmarks/.
 BENCHMARKS = {"offline": "offline_throughput.py", "queue-cost": "serve.py", "speculative": "speculative.py",
               "api-relay": "api_relay.py", "serve": ""}
-BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def env_var(field: str) -> str:
@@ -189,11 +190,36 @@ def _run_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *args.args])
 
 
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the user info or a ``password=`` query parameter) replaced by ``***``."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:{REDACTED}@{host}"
+    query = urlencode([(k, REDACTED if k.lower() == "password" else v)
+                       for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redacted_settings(settings: Settings) -> dict[str, Any]:
+    """The settings as JSON-ready values with secrets masked: each API key, the Redis password."""
+    values = settings.model_dump(mode="json")
+    values["api_keys"] = [REDACTED for _ in settings.api_keys]
+    if settings.redis_url is not None:
+        values["redis_url"] = redact_url(settings.redis_url)
+    return values
+
+
 def _run_config(args: argparse.Namespace, settings: Settings) -> int:
     if args.view == "table":
         print(settings_table())
     else:
-        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        print(json.dumps(redacted_settings(settings), indent=2))
     return 0
 
 
@@ -221,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         from worker.main import run_worker
 
         return run_worker(settings)
-    from shared.supervisor import run_up
+    from shared.launcher.up import run_up
 
     return run_up(settings)
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from queue_helpers import make_job, queue_settings
+import torch
 from redis.asyncio import Redis
 
 from shared import keys
 from shared.queue import ClaimedJob, JobQueue
 from shared.schemas import GenerationParams, JobStatus, RestartEvent, TokenEvent
+from tests.queue.queue_helpers import make_job, queue_settings
 from worker.engine import Engine
 from worker.engine_thread import EngineThread
 from worker.main import engine_config
@@ -46,8 +47,8 @@ class ObservedQueue(JobQueue):
         super().__init__(redis, **kwargs)  # type: ignore[arg-type]
         self._timeline = timeline
 
-    async def claim(self, model: str, worker_id: str, max_jobs: int) -> list[ClaimedJob]:
-        jobs = await super().claim(model, worker_id, max_jobs)
+    async def claim(self, model: str, worker_id: str, max_jobs: int, idle: bool = True) -> list[ClaimedJob]:
+        jobs = await super().claim(model, worker_id, max_jobs, idle)
         self._timeline.claims.append((max_jobs, len(jobs)))
         return jobs
 
@@ -66,6 +67,7 @@ class Harness:
     """A runner serving ``tiny`` in this process (started by ``start``), a plain client queue, the timeline."""
 
     runner: Runner
+    engine: Engine
     queue: JobQueue
     timeline: Timeline
     task: asyncio.Task[int] | None = None
@@ -93,7 +95,7 @@ async def harness(redis_url: str, tiny_llama: Path) -> AsyncIterator[Harness]:
     worker_redis, client_redis = Redis.from_url(redis_url), Redis.from_url(redis_url)
     runner = Runner(engine, engine_thread, ObservedQueue(worker_redis, timeline, settings=settings), settings,
                     "runner-w1")
-    harness = Harness(runner, JobQueue(client_redis, settings, poll_interval_s=0.5), timeline)
+    harness = Harness(runner, engine, JobQueue(client_redis, settings, poll_interval_s=0.5), timeline)
     try:
         yield harness
     finally:
@@ -225,3 +227,52 @@ async def test_a_cancelled_jobs_result_comes_after_its_last_events(served: tuple
     assert [e["type"] for e in log] == ["token"] * (len(log) - 1) + ["done"]
     assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
     assert "".join(e["text"] for e in log[:-1]) == record.choices[0].text
+
+
+async def test_a_job_the_engine_fails_ends_failed_alone_and_the_worker_keeps_serving(harness: Harness) -> None:
+    """One choice of a job gets NaN logits (its prompt holds a token whose embedding is NaN): that job fails
+    with the engine's reason, its sibling choice is aborted, and the jobs beside it in the batch succeed."""
+    poison = 77
+    with torch.no_grad():
+        harness.engine.runner.model.get_input_embeddings().weight[poison] = float("nan")
+    params = GenerationParams(max_tokens=8, temperature=0, ignore_eos=True)
+    good = [make_job(prompt=f"Story {i}", params=params) for i in range(2)]
+    bad = make_job(prompt=None, prompt_token_ids=[5, 6, poison, 8], params=params, n=2)
+    for job in [good[0], bad, good[1]]:
+        await harness.queue.submit(job)
+    harness.start()
+    for job in [*good, bad]:
+        await _wait_final(harness.queue, job.id)
+
+    record = await harness.queue.get(bad.id)
+    assert record is not None and record.status is JobStatus.FAILED and record.attempts == 1
+    assert record.error is not None and record.error.startswith("generation failed: ") and "not finite" in record.error
+    for job in good:
+        record = await harness.queue.get(job.id)
+        assert record is not None and record.status is JobStatus.SUCCEEDED and record.usage.completion_tokens == 8
+    assert harness.task is not None and not harness.task.done()  # still serving
+    assert harness.engine.stats().num_free_blocks == harness.engine.stats().num_total_blocks  # siblings freed
+
+
+async def test_a_step_longer_than_the_lease_keeps_the_lease(harness: Harness) -> None:
+    """A step that outlasts the lease (a long prefill on a busy machine) does not stop lease renewal: the job
+    is not reaped meanwhile and finishes as its first attempt."""
+    lease_s = harness.runner._settings.lease_ttl_s
+    inner, slow = harness.engine.step, [True]
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        if slow:
+            slow.pop()
+            time.sleep(lease_s + 1.0)  # the engine thread is busy for longer than a lease
+        return inner()
+
+    harness.engine.step = slow_step  # type: ignore[method-assign]
+    job = make_job(prompt="Once upon a time", params=GenerationParams(max_tokens=4, temperature=0, ignore_eos=True))
+    await harness.queue.submit(job)
+    harness.start()
+    await asyncio.sleep(lease_s + 0.5)
+    assert slow == []  # the slow step is running now, past the lease
+    assert await harness.queue.reap() == []
+    await _wait_final(harness.queue, job.id)
+    record = await harness.queue.get(job.id)
+    assert record is not None and record.status is JobStatus.SUCCEEDED and record.attempts == 1

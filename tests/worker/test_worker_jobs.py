@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from queue_helpers import make_job
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from shared.queue import ClaimedJob
 from shared.schemas import ChatMessage, GenerationParams
+from tests.queue.queue_helpers import make_job
 from worker.engine import StepOutput
 from worker.jobs import ActiveJob, prompt_token_ids, request_id, split_request_id
 

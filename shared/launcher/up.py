@@ -1,149 +1,31 @@
-"""``tokenspool up``: Redis, the API and N workers as one foreground service.
+"""``tokenspool up``: Redis, the API and N workers as one foreground service (the supervisor is
+``shared.launcher.supervisor``).
 
 Start: prepare the model first (so workers don't race converting it), start the embedded Redis unless a Redis
 URL is configured (AOF in ``data_dir``; the port is remembered there so it stays the same across runs), then the
-API and the workers, each as a child process in its own process group.
-Stop (Ctrl-C, SIGTERM, SIGHUP, or a child dying): SIGTERM the workers so they drain, then the API, then Redis.
-A process group still alive after its timeout gets SIGKILL; a second Ctrl-C sends it at once. Children also get
-SIGTERM from the kernel if the supervisor itself is killed, so nothing is left orphaned.
-A child that dies unexpectedly is reported and everything is shut down; nothing is restarted (a crash loop
-would hide the fault, and queued or running jobs are safe in Redis: they resume on the next start).
+API and the workers, each as a child process in its own process group, and wait until they are healthy.
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
-import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
 
 from shared.config import Settings
-from shared.redis_server import RedisServer, find_redis_server, free_port
-
-log = logging.getLogger(__name__)
+from shared.launcher.redis_server import RedisServer, find_redis_server, free_port
+from shared.launcher.supervisor import ChildSpec, ParentDeathSignal, Supervisor
 
 API_STOP_TIMEOUT_S = 10.0
 WORKER_EXIT_GRACE_S = 15.0  # on top of drain_timeout_s: releasing unfinished jobs and exiting
 STARTUP_TIMEOUT_S = 60.0
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    """A process to supervise: a name for messages, its argv and environment, and how long SIGTERM may take."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    stop_timeout_s: float
-
-
-class _ParentDeathSignal:
-    """A ``preexec_fn``: the child gets SIGTERM when the supervisor dies, even by SIGKILL (Linux only)."""
-
-    def __init__(self) -> None:
-        self._parent_pid = os.getpid()
-        # Resolved here, not in the forked child, where only async-signal-safe work is allowed.
-        self._prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-    def __call__(self) -> None:
-        if self._prctl is not None:
-            self._prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-
-class Supervisor:
-    """Runs the API and workers (and optionally Redis), watches them, and stops them in order."""
-
-    def __init__(self, api: ChildSpec | None, workers: list[ChildSpec], redis: RedisServer | None = None,
-                 poll_interval_s: float = 0.2) -> None:
-        self.api = api
-        self.workers = workers
-        self.redis = redis
-        self.poll_interval_s = poll_interval_s
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.num_signals = 0
-
-    def request_stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
-        """Signal handler: the first signal asks for an orderly stop, the next one for SIGKILL."""
-        self.num_signals += 1
-
-    def start(self) -> None:
-        if self.redis is not None:
-            self.redis.start()
-        for spec in ([self.api] if self.api else []) + self.workers:
-            self.procs[spec.name] = subprocess.Popen(spec.argv, env=spec.env, start_new_session=True,
-                                                     preexec_fn=_ParentDeathSignal())
-            log.info("started %s (pid %d)", spec.name, self.procs[spec.name].pid,
-                     extra={"child": spec.name, "pid": self.procs[spec.name].pid})
-
-    def dead_child(self) -> str | None:
-        """A description of the first child (or Redis) that has exited, if any."""
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                return f"{name} (pid {proc.pid}) exited with code {proc.returncode}"
-        if self.redis is not None and not self.redis.running:
-            return f"redis-server on port {self.redis.port} exited; see {self.redis.data_dir}/redis.log"
-        return None
-
-    def wait(self, until: Callable[[], bool] | None = None, timeout_s: float | None = None) -> int | None:
-        """Block until a stop signal (0), a child's death (1), ``until()`` holding (None) or the timeout (1)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.num_signals:
-            dead = self.dead_child()
-            if dead is not None:
-                log.error("%s unexpectedly; shutting everything down", dead)
-                return 1
-            if until is not None and until():
-                return None
-            if deadline is not None and time.monotonic() > deadline:
-                log.error("not ready after %.0f s; shutting everything down", timeout_s)
-                return 1
-            time.sleep(self.poll_interval_s)
-        return 0
-
-    def stop(self) -> None:
-        """Stop the workers (they drain), then the API, then Redis. Safe to call more than once."""
-        signals_before = self.num_signals
-        self._stop_children(self.workers, signals_before)
-        self._stop_children([self.api] if self.api else [], signals_before)
-        if self.redis is not None:
-            self.redis.stop()
-
-    def _stop_children(self, specs: list[ChildSpec], signals_before: int) -> None:
-        started = [(spec, self.procs[spec.name]) for spec in specs if spec.name in self.procs]
-        for spec, proc in started:
-            if proc.poll() is None:
-                log.info("stopping %s (pid %d)", spec.name, proc.pid, extra={"child": spec.name, "pid": proc.pid})
-                _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + max((spec.stop_timeout_s for spec, _ in started), default=0.0)
-        while any(proc.poll() is None for _, proc in started):
-            if time.monotonic() > deadline or self.num_signals > signals_before:
-                break
-            time.sleep(0.05)
-        for spec, proc in started:
-            if proc.poll() is None:
-                log.warning("%s did not stop in time: SIGKILL", spec.name, extra={"child": spec.name})
-            # The whole group, so grandchildren die with their parent even when the parent already exited.
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError, PermissionError):  # the group is already gone
-        os.killpg(pgid, sig)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -172,8 +54,8 @@ def _child_env(settings: Settings, **overrides: str | None) -> dict[str, str]:
 
 
 def child_specs(settings: Settings, redis_url: str, port: int) -> tuple[ChildSpec, list[ChildSpec]]:
-    """The API and worker processes of ``tokenspool up``: ``python -m shared.cli api|worker``."""
-    cli = [sys.executable, "-m", "shared.cli"]
+    """The API and worker processes of ``tokenspool up``: ``python -m shared.launcher.cli api|worker``."""
+    cli = [sys.executable, "-m", "shared.launcher.cli"]
     api = ChildSpec("api", [*cli, "api"], _child_env(settings, redis_url=redis_url, port=str(port)),
                     API_STOP_TIMEOUT_S)
     workers = []
@@ -290,7 +172,7 @@ def run_up(settings: Settings) -> int:
         if embedded:  # the same folder as `tokenspool api`'s embedded Redis, so both see one queue
             redis_dir = settings.data_dir / "redis"
             redis = RedisServer(redis_dir, port=_redis_port(redis_dir), binary=redis_binary, detached=True,
-                                preexec_fn=_ParentDeathSignal())
+                                preexec_fn=ParentDeathSignal())
         redis_url = redis.url if redis is not None else str(settings.redis_url)
         api, workers = child_specs(settings, redis_url, port)
         supervisor = Supervisor(api, workers, redis)
@@ -313,7 +195,10 @@ def run_up(settings: Settings) -> int:
                       flush=True)
             return supervisor.wait() or 0
         finally:
-            print("tokenspool: stopping ...", flush=True)
+            drain = f"workers finish their running jobs for up to {settings.drain_timeout_s:.0f} s, " \
+                if settings.workers else ""
+            print(f"tokenspool: stopping ({drain}then the API and Redis; Ctrl-C again stops everything at once) ...",
+                  flush=True)
             supervisor.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

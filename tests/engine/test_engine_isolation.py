@@ -1,0 +1,112 @@
+"""One faulty request fails alone: the rest of its batch, in the same step and after, is untouched.
+
+A request is made faulty for real: the tiny model's embedding row of one token id is NaN, so any request whose
+prompt holds that id gets NaN hidden states, K/V and logits. The others must produce exactly what they produce
+without it, also when they later reuse the blocks the faulty request left NaN K/V in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.helpers import drain
+from worker.engine import Engine, EngineConfig, SamplingParams
+from worker.engine.draw import Draw, draw_tokens
+from worker.engine.request import Request
+from worker.engine.scheduler import ScheduledChunk
+
+POISON = 77
+PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12], "c": [13, 14, 15, 16, 17, 18, 19, 20, 21]}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, min_tokens=12, seed=7)
+
+
+def _engine(model: Path, dtype: str = "float32") -> Engine:
+    return Engine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=64, max_num_seqs=8, dtype=dtype))
+
+
+def _run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    run = drain(engine)
+    assert {rid: e.finish_reason for rid, e in run.finished.items()} == dict.fromkeys(prompts, "length")
+    return run.token_ids
+
+
+@pytest.fixture(scope="module")
+def poisoned(tiny_llama: Path) -> Engine:
+    engine = _engine(tiny_llama)
+    with torch.no_grad():
+        engine.runner.model.get_input_embeddings().weight[POISON] = float("nan")
+    return engine
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_request_with_nan_logits_fails_alone(tiny_llama: Path, poisoned: Engine, params: SamplingParams) -> None:
+    expected = _run(_engine(tiny_llama), PROMPTS, params)
+    for rid, prompt in PROMPTS.items():
+        poisoned.add_request(rid, prompt, params)
+    poisoned.add_request("poison", [5, 6, POISON, 8], params)
+    run = drain(poisoned)
+    bad = run.finished.pop("poison")
+    assert bad.finish_reason == "error" and bad.error is not None and "not finite" in bad.error
+    assert bad.new_token_ids == () and run.token_ids["poison"] == []
+    assert {rid: run.token_ids[rid] for rid in PROMPTS} == expected
+    assert all(e.finish_reason == "length" for e in run.finished.values())
+    # The poisoned request's NaN K/V stays in the blocks it freed; requests that get those blocks next are exact.
+    assert poisoned.stats().num_free_blocks == poisoned.stats().num_total_blocks
+    assert _run(poisoned, {f"{rid}2": p for rid, p in PROMPTS.items()}, params) == {
+        f"{rid}2": ids for rid, ids in expected.items()}
+
+
+def test_a_group_choice_with_nan_logits_fails_its_siblings_too(poisoned: Engine) -> None:
+    poisoned.add_request_group(["g#0", "g#1"], [5, POISON], GREEDY)
+    poisoned.add_request("ok", PROMPTS["a"], GREEDY)
+    run = drain(poisoned)
+    assert {rid: e.finish_reason for rid, e in run.finished.items()} == {"g#0": "error", "g#1": "error",
+                                                                        "ok": "length"}
+
+
+def _request(rid: str) -> Request:
+    return Request(request_id=rid, prompt_token_ids=[1, 2], params=GREEDY, priority=0, arrival=0, max_tokens=4,
+                   generator=None, detokenizer=None)  # type: ignore[arg-type]
+
+
+def test_sampling_that_raises_for_one_request_is_bisected_to_it() -> None:
+    requests = [_request(f"r{i}") for i in range(5)]
+    chunks = [ScheduledChunk(r.request_id, (2,), 1, (0,), needs_logits=True) for r in requests]
+    logits = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
+    calls: list[list[str]] = []
+
+    def draw(batch: list[Request], _chunks: list[ScheduledChunk], rows: torch.Tensor) -> list[Draw]:
+        calls.append([r.request_id for r in batch])
+        if any(r.request_id == "r3" for r in batch):
+            raise RuntimeError("boom")
+        return [Draw([int(row.argmax()) + (7 if r.request_id == "r1" else 0)], [None])
+                for r, row in zip(batch, rows, strict=True)]
+
+    draws = draw_tokens(requests, chunks, logits, draw)
+    assert [d.error for d in draws] == [None, "sampled token id 9 is outside the vocabulary [0, 3)", None,
+                                        "sampling failed: RuntimeError: boom", None]
+    assert [d.token_ids for d in draws] == [[2], [], [2], [], [2]]
+    assert calls[0] == ["r0", "r1", "r2", "r3", "r4"] and ["r3"] in calls
+
+
+def test_non_finite_rows_fail_before_drawing() -> None:
+    requests = [_request(f"r{i}") for i in range(3)]
+    chunks = [ScheduledChunk(r.request_id, (2,), 1, (0,), needs_logits=True) for r in requests]
+    logits = torch.zeros(3, 4)
+    logits[0, 1] = float("nan")
+    logits[2] = float("-inf")
+    seen: list[str] = []
+
+    def draw(batch: list[Request], _chunks: list[ScheduledChunk], rows: torch.Tensor) -> list[Draw]:
+        seen.extend(r.request_id for r in batch)
+        return [Draw([0], [None]) for _ in batch]
+
+    draws = draw_tokens(requests, chunks, logits, draw)
+    assert seen == ["r1"]
+    assert [d.error is None for d in draws] == [False, True, False]

@@ -1,0 +1,104 @@
+"""What each outbox write does in Redis, with its metrics and lifecycle log line; lost leases come back as data.
+
+A publish the queue refuses (stale fence) means another holder has the job: its ``(job id, fence)`` goes into
+``lost`` for the step loop to drop the job (``take_lost``), and a result queued behind it is not written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from shared.config import Settings
+from shared.lifecycle_log import RECOVERIES, LifecycleEvent, job_fields, text_fields
+from shared.queue import JobQueue
+from shared.schemas import TokenEvent
+from worker.jobs import ActiveJob
+from worker.metrics import WorkerMetrics
+from worker.outbox import Finish, Publish, Release, Write
+from worker.retrying import Retrying
+
+log = logging.getLogger(__name__)
+
+
+class JobWriter:
+    """Writes a worker's jobs to the queue (``write`` is called by the outbox's one task, in order)."""
+
+    def __init__(self, queue: JobQueue, retrying: Retrying, metrics: WorkerMetrics, settings: Settings,
+                 worker_id: str) -> None:
+        self._queue = queue
+        self._redis = retrying
+        self._metrics = metrics
+        self._settings = settings
+        self._worker_id = worker_id
+        self._lost: set[tuple[str, int]] = set()  # (job id, fence) of attempts whose lease was lost
+
+    def take_lost(self) -> set[tuple[str, int]]:
+        """Attempts found lost since the last call (their publishes were refused)."""
+        lost, self._lost = self._lost, set()
+        return lost
+
+    async def write(self, write: Write) -> None:
+        if isinstance(write, Publish):
+            await self._publish(write.batches)
+        elif isinstance(write, Finish):
+            await self._finish(write.job)
+        else:
+            await self._release(write)
+
+    async def _publish(self, batches: list[tuple[ActiveJob, list[TokenEvent]]]) -> None:
+        accepted = await self._redis(self._queue.publish_many,
+                                     [(job.job_id, job.claim.fence, events) for job, events in batches])
+        now = time.time()
+        for (job, _), ok in zip(batches, accepted, strict=True):
+            if not ok:
+                self._lost.add((job.job_id, job.claim.fence))
+            elif not job.first_token_published and any(c.token_ids for c in job.choices):
+                job.first_token_published = True
+                self._metrics.on_first_token(job.claim.submission.created_at, now)
+                log.info("job %s first token", job.job_id, extra=self._fields("first_token", job))
+
+    async def _finish(self, job: ActiveJob) -> None:
+        if (job.job_id, job.claim.fence) in self._lost:
+            log.warning("job %s dropped: lease lost", job.job_id, extra=self._fields("lease_lost", job))
+        elif job.error is not None:
+            if await self._redis(self._queue.fail, job.job_id, job.claim.fence, job.error):
+                self._metrics.on_job_event("failed")
+                log.warning("job %s failed: %s", job.job_id, job.error, extra=self._fields("failed", job))
+            else:
+                log.warning("job %s result rejected: lease lost", job.job_id, extra=self._fields("lease_lost", job))
+        else:
+            await self._complete(job)
+
+    async def _complete(self, job: ActiveJob) -> None:
+        result = job.result()
+        if not await self._redis(self._queue.complete, job.job_id, job.claim.fence, result):
+            log.warning("job %s result rejected: lease lost (stale fence)", job.job_id,
+                        extra=self._fields("lease_lost", job))
+            return
+        cancelled = any(c.finish_reason == "abort" for c in result.choices)
+        event: LifecycleEvent = "cancelled" if cancelled else "finished"
+        self._metrics.on_job_finished("cancelled" if cancelled else "completed", job.claim.submission.created_at,
+                                      time.time())
+        for choice in job.choices:
+            self._metrics.on_sequence_finished(len(choice.token_ids), choice.first_token_at, choice.last_token_at)
+        log.info("job %s %s", job.job_id, event,
+                 extra=self._fields(event, job, finish_reasons=[c.finish_reason for c in result.choices],
+                                    prompt_tokens=result.usage.prompt_tokens,
+                                    completion_tokens=result.usage.completion_tokens,
+                                    **text_fields(self._settings.log_prompts, output=[c.text for c in result.choices])))
+
+    async def _release(self, release: Release) -> None:
+        job = release.job
+        give_up_s = release.give_up_s if release.give_up_s is not None else self._redis.give_up_s
+        status = await self._redis.within(give_up_s, self._queue.release_job, job.job_id, job.claim.fence,
+                                          release.crashed)
+        if status is None:
+            log.warning("job %s not released: lease lost", job.job_id, extra=self._fields("lease_lost", job))
+            return
+        self._metrics.on_requeue_status(status)
+        log.info("job %s released by its worker: %s", job.job_id, status,
+                 extra=self._fields(RECOVERIES[status].by_worker, job, crashed=release.crashed))
+
+    def _fields(self, event: LifecycleEvent, job: ActiveJob, **fields: object) -> dict[str, object]:
+        return job_fields(event, job.job_id, self._settings.served_model_name, self._worker_id, **fields)
