@@ -38,7 +38,7 @@ class CrashHistory:
         self.crashes = [t for t in self.crashes if now - t < self.policy.window_s] + [now]
         if len(self.crashes) > self.policy.max_crashes:
             return None
-        delay = min(self.policy.backoff_s * 2 ** (self.consecutive - 1), self.policy.max_backoff_s)
+        delay = min(self.policy.backoff_s * 2.0 ** (self.consecutive - 1), self.policy.max_backoff_s)
         return now + delay
 
     def started(self, now: float) -> None:
