@@ -115,8 +115,8 @@ def test_healthz_stays_fast_while_huge_prompts_are_refused(api_process: ApiProce
         return response.status_code, response.json()["error"]["code"]
 
     with HealthProbe(api_process) as probe:
-        outcomes = _attack(num_senders=4, send=send, rounds=2)
-    assert outcomes == [[(400, "context_length_exceeded")] * 2] * 4
+        outcomes = _attack(num_senders=4, send=send, rounds=2, min_duration_s=2.0, max_rounds=20)
+    assert {o for sender in outcomes for o in sender} == {(400, "context_length_exceeded")}
     assert len(probe.latencies) >= 5
     assert probe.report(f"4 senders of {prompt_chars}-character prompts") < 0.25
 
