@@ -143,11 +143,12 @@ async def test_a_stalled_reader_holds_a_bounded_part_of_the_log(api: ApiServer, 
         baseline = tracemalloc.get_traced_memory()[0]
         readers = [_stalled_reader(api, job_id) for _ in range(num_readers)]
         # Let the relays run until they stall: the heap stops growing once every buffer on the way is full.
-        held, deadline = 0, time.monotonic() + 20
+        # (Two quiet readings at least 2 s in, so a relay that is slow to start is not measured before it ran.)
+        held, deadline, earliest = 0, time.monotonic() + 20, time.monotonic() + 2
         while time.monotonic() < deadline:
             await asyncio.sleep(1.0)
             now = tracemalloc.get_traced_memory()[0] - baseline
-            if abs(now - held) < 64 * 1024:
+            if abs(now - held) < 64 * 1024 and time.monotonic() > earliest:
                 break
             held = now
         per_stream = (tracemalloc.get_traced_memory()[0] - baseline) / num_readers
