@@ -60,7 +60,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                      max_connections=settings.redis_max_connections)
     queue = JobQueue(client, settings)
     app.state.resources = Resources(redis=client, queue=queue,
-                                    catalog=ModelCatalog(queue, settings.served_model_name))
+                                    catalog=ModelCatalog(queue, settings.served_model_name,
+                                                         tokenize_threads=settings.tokenize_threads))
     metrics: ApiMetrics = app.state.metrics
     tasks = [asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings)), name="lease-reaper"),
              asyncio.create_task(refresh_forever(metrics.fleet, queue, settings.served_model_name,

@@ -8,6 +8,7 @@ import logging
 import uvicorn
 
 from api.app import create_app
+from api.http_limits import uvicorn_options
 from shared.config import Settings
 from shared.launcher.redis_server import RedisServer
 
@@ -28,4 +29,6 @@ def run_api(settings: Settings) -> None:
                     log_config=None,
                     # Streams are long-lived; let shutdown wait a little for them, then cancel (and so cancel
                     # their jobs unless they run in the background).
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5,
+                    # Request heads bounded in size and time (api/http_limits.py).
+                    **uvicorn_options(settings))

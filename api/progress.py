@@ -38,8 +38,9 @@ async def prompt_tokens(catalog: ModelCatalog, submission: JobSubmission) -> int
     if model is None:
         return 0
     try:
-        count = count_prompt_tokens(model, prompt=submission.prompt, prompt_token_ids=submission.prompt_token_ids,
-                                    messages=submission.messages)
+        count = await count_prompt_tokens(model, prompt=submission.prompt,
+                                          prompt_token_ids=submission.prompt_token_ids,
+                                          messages=submission.messages)
     except APIError:  # e.g. a chat job for a model without a template: the worker will fail it, not the poll
         return 0
     return count or 0

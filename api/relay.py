@@ -21,6 +21,10 @@ from shared.schemas import DoneEvent, ErrorEvent, JobRecord, JobSubmission, Stre
 
 _END = object()
 CLOSE_TIMEOUT_S = 1.0
+# Events relayed ahead of the reader at most. A slow reader stops the relay here, and the relay reads the job's
+# log a page at a time (shared/job_stream.py), so a stream held open by a reader that never reads costs a few
+# pages of memory, not the job's whole log (docs/security.md has the numbers).
+RELAY_BUFFER = 64
 
 
 class _Failure:
@@ -43,7 +47,10 @@ class JobRelay:
         self.job_id = job_id
         self._submission = submission
         self._after_seq = after_seq
+        # Unbounded as a queue, bounded by ``_room``: each event takes a place and the reader gives it back; the
+        # end and failure markers take none, so they can always be queued, even when the reader has stopped.
         self._events: asyncio.Queue[Any] = asyncio.Queue()
+        self._room = asyncio.Semaphore(RELAY_BUFFER)
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[tuple[JobRecord, bool] | None] | None = None
         self.finished = False  # a DoneEvent or ErrorEvent was relayed: the job needs no cancelling
@@ -65,6 +72,7 @@ class JobRelay:
                 result = await self._queue.submit(self._submission) if self._submission is not None else None
                 self._ready.set_result(result)
                 async for event in stream:
+                    await self._room.acquire()
                     self._events.put_nowait(event)
         except asyncio.CancelledError:
             if not self._ready.done():
@@ -86,6 +94,7 @@ class JobRelay:
                 return
             if isinstance(item, _Failure):
                 raise item.exc
+            self._room.release()
             if isinstance(item, DoneEvent | ErrorEvent):
                 self.finished = True
             yield item

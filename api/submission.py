@@ -65,11 +65,13 @@ def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str | None:
         raise invalid_request(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
 
-def count_prompt_tokens(model: ServedModel, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                        messages: list[ChatMessage] | None = None) -> int | None:
+async def count_prompt_tokens(model: ServedModel, *, prompt: str | None = None,
+                              prompt_token_ids: list[int] | None = None,
+                              messages: list[ChatMessage] | None = None) -> int | None:
     """Prompt tokens as the worker will see them; None when the API cannot know (no tokenizer yet).
 
-    Token ids are also range-checked here: an id past the vocabulary would fail deep inside the worker.
+    Token ids are also range-checked here: an id past the vocabulary would fail deep inside the worker. Text is
+    first checked against the model's character bound (cheap), then tokenized off the event loop.
     """
     if prompt_token_ids is not None:
         if model.card is not None and any(t >= model.card.vocab_size for t in prompt_token_ids):
@@ -78,9 +80,25 @@ def count_prompt_tokens(model: ServedModel, *, prompt: str | None = None, prompt
         return len(prompt_token_ids)
     if messages is not None:
         rendered = render_chat(model, messages)
-        return model.count_chat_tokens(rendered) if rendered is not None else None
+        if rendered is None:
+            return None
+        check_chars(model, rendered, param="messages")
+        return await model.count_chat_tokens(rendered)
     assert prompt is not None
-    return model.count_prompt_tokens(prompt)
+    check_chars(model, prompt, param="prompt")
+    return await model.count_prompt_tokens(prompt)
+
+
+def check_chars(model: ServedModel, text: str, param: str) -> None:
+    """400 ``context_length_exceeded`` for a text longer than any prompt that fits the model's context, before
+    spending time on tokenizing it (``ServedModel.max_prompt_chars``)."""
+    limit = model.max_prompt_chars
+    if limit is not None and len(text) > limit:
+        raise invalid_request(
+            f"This model's maximum context length is {model.max_model_len} tokens, and no prompt that fits has "
+            f"more than {limit} characters; this one has {len(text)}. Please reduce the prompt.",
+            param=param, code="context_length_exceeded",
+        )
 
 
 def default_max_tokens(settings: Settings, model: ServedModel, num_prompt_tokens: int | None) -> int:

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     max_tokens_cap: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(8, ge=1, description="largest n (choices per request)")
     max_batch_size: int = Field(256, ge=1, description="most prompts in one POST /v1/jobs/batch")
+    max_header_bytes: int = Field(65_536, ge=1024, description="largest request line + headers; more is 431")
+    header_timeout_s: float = Field(10.0, gt=0, description="seconds a client has to send a request's headers "
+                                    "(from connecting, or from the first byte on a kept-alive connection); then 408")
+    tokenize_threads: int = Field(2, ge=1, description="prompts tokenized at once, off the event loop")
     redis_max_connections: int = Field(
         10_000, ge=16, description="API's Redis connections at most; each open stream holds one")
 

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The largest event seq there can be: seq is the job hash's HINCRBY counter, a signed 64-bit integer. A reader
+# may resume after any seq up to this (a Redis stream id part goes to 2**64 - 1, beyond which XRANGE errors).
+MAX_EVENT_SEQ = 2**63 - 1
+
 STREAM_EVENTS: TypeAdapter[TokenEvent | RestartEvent | DoneEvent | ErrorEvent] = TypeAdapter(StreamEvent)
 
 
@@ -38,10 +42,13 @@ class JobStreamReader:
     """One reader of one job's events: pub/sub for live delivery, the replay log for history and gaps."""
 
     def __init__(self, queue: JobQueue, job_id: str, after_seq: int) -> None:
+        if not 0 <= after_seq <= MAX_EVENT_SEQ:
+            raise ValueError(f"after_seq must be between 0 and {MAX_EVENT_SEQ}, got {after_seq}")
         self._queue = queue
         self._job_id = job_id
         self._last = after_seq
         self._pubsub: PubSub | None = None
+        self._more = False  # the last log page read was full: read on before waiting for live events
 
     async def subscribe(self) -> None:
         pubsub = self._queue.redis.pubsub()
@@ -63,7 +70,8 @@ class JobStreamReader:
         A live message that follows on from the last seq is used as is; an older one is a duplicate of the
         replay and dropped; a newer one means something was missed, and the log fills the gap. After a quiet
         ``poll_interval_s`` or a reconnect the log is read again and the job checked, so a finished or expired
-        job never leaves the reader waiting.
+        job never leaves the reader waiting. The log is read a page at a time, and the next page only once the
+        consumer has taken this one: a slow consumer holds one page, never the whole log.
         """
         pending: list[dict[str, Any]] | None = None  # None: the first replay is still to do
         while True:
@@ -78,7 +86,9 @@ class JobStreamReader:
                     yield event
                     if isinstance(event, DoneEvent | ErrorEvent):
                         return
-                if self._pubsub is None:  # lost in a Redis outage: subscribe again, then catch up from the log
+                if self._more:
+                    pending = await self._replay()
+                elif self._pubsub is None:  # lost in a Redis outage: subscribe again, then catch up from the log
                     await self.subscribe()
                     pending = await self._replay_or_end()
                 else:
@@ -99,11 +109,16 @@ class JobStreamReader:
         raw: dict[str, Any] = json.loads(msg["data"])
         if raw["seq"] <= self._last + 1:
             return [raw]
-        return await self._queue.replay(self._job_id, self._last)
+        return await self._replay()
+
+    async def _replay(self) -> list[dict[str, Any]]:
+        """The next page of the log after the last seq seen."""
+        entries, self._more = await self._queue.replay_page(self._job_id, self._last)
+        return entries
 
     async def _replay_or_end(self) -> list[dict[str, Any]]:
         """The log after the last seq seen; when it has nothing new, an end the log cannot show, if any."""
-        entries = await self._queue.replay(self._job_id, self._last)
+        entries = await self._replay()
         if entries:
             return entries
         record = await self._queue.get(self._job_id)
@@ -111,7 +126,7 @@ class JobStreamReader:
             return [{"type": "error", "seq": self._last + 1, "message": f"job {self._job_id} not found or expired"}]
         if record.status.is_terminal:
             # It may have finished since the read above: its last events are in the log now, if anywhere.
-            entries = await self._queue.replay(self._job_id, self._last)
+            entries = await self._replay()
             # Else the log ended at or before ``after_seq`` (a client resuming after the end): end again.
             return entries or [{"type": "done", "seq": max(self._last, 1), "again": True}]
         return []

@@ -41,7 +41,7 @@ from shared.scripts import Scripts
 log = logging.getLogger(__name__)
 
 REAP_BATCH = 100
-REPLAY_CHUNK = 1000
+REPLAY_PAGE = 256  # log entries per read (~40 KB of token events)
 __all__ = ["TRANSIENT_ERRORS", "ClaimedJob", "JobQueue", "QueueFullError", "RecoveredJob"]
 
 
@@ -186,11 +186,33 @@ class JobQueue:
         except ValidationError:
             return None
 
+    async def get_owner(self, job_id: str) -> tuple[bool, str | None]:
+        """``(exists, owner)`` of the job, read without its submission (which may hold megabytes of prompt), so
+        checking access costs the same whatever another tenant's job holds. A record written before the
+        ``owner`` field existed falls back to its submission."""
+        status, owner = await self._redis.hmget(keys.job(job_id), ["status", "owner"])
+        if status is None:
+            return False, None
+        if owner is None:
+            submission = await self.get_submission(job_id)
+            return submission is not None, submission.owner if submission else None
+        return True, as_text(owner) or None
+
     async def cancel(self, job_id: str) -> JobRecord | None:
         """Cancel: a queued job is cancelled now; a running one is flagged and its worker told to abort it
         (its record turns ``cancelled`` when the worker finalises). Finished jobs are left as they are."""
         reply = await self._scripts.cancel(keys=[keys.job(job_id), keys.INFLIGHT], args=[self._ctx, job_id])
         return record_from_fields(_pairs(reply)) if reply else None
+
+    async def rollback(self, job_ids: Sequence[str], error: str) -> int:
+        """Undo jobs a refused batch created, in one step: each is cancelled (``error`` recorded on those still
+        queued) and its idempotency key deleted, so a retry with the same keys submits them afresh rather than
+        finding the cancelled jobs. Returns how many of the jobs existed."""
+        if not job_ids:
+            return 0
+        reply = await self._scripts.rollback(keys=[keys.INFLIGHT, *(keys.job(i) for i in job_ids)],
+                                             args=[self._ctx, error, *job_ids])
+        return int(reply)
 
     async def queue_depth(self, model: str) -> int:
         return int(await self._redis.zcard(keys.queue(model)))
@@ -412,16 +434,23 @@ class JobQueue:
 
         return listen(self._redis, keys.queue_wake(model), maybe_missed, f"wake channel of {model}", self._poll_s)
 
+    async def replay_page(self, job_id: str, after_seq: int, count: int = REPLAY_PAGE
+                          ) -> tuple[list[dict[str, Any]], bool]:
+        """One page of the job's log: up to ``count`` entries with seq > ``after_seq``, as parsed JSON objects in
+        order, and whether the page was full (more may follow). Stream readers page through a long log rather
+        than load it whole, so a slow reader holds one page, not the log."""
+        chunk = await self._redis.xrange(keys.job_log(job_id), min=f"({after_seq}-0", max="+", count=count) or []
+        return [entry_event(fields) for _, fields in chunk if fields], len(chunk) >= count
+
     async def replay(self, job_id: str, after_seq: int) -> list[dict[str, Any]]:
-        """Log entries with seq > ``after_seq``, as parsed JSON objects, in order."""
+        """The whole log after ``after_seq`` (read page by page), for tests and tools; readers use pages."""
         entries: list[dict[str, Any]] = []
-        start = f"({after_seq}-0"
         while True:
-            chunk = await self._redis.xrange(keys.job_log(job_id), min=start, max="+", count=REPLAY_CHUNK) or []
-            entries += [entry_event(fields) for _, fields in chunk if fields]
-            if len(chunk) < REPLAY_CHUNK:
+            page, more = await self.replay_page(job_id, after_seq)
+            entries += page
+            if not more or not page:
                 return entries
-            start = f"({as_text(chunk[-1][0])}"
+            after_seq = int(page[-1]["seq"])
 
 
 def _invalid_reason(exc: ValueError) -> str:

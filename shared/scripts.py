@@ -42,6 +42,7 @@ class Scripts:
     fail: AsyncScript
     release: AsyncScript
     cancel: AsyncScript
+    rollback: AsyncScript
     reap: AsyncScript
     register: AsyncScript
     deregister: AsyncScript

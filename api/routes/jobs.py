@@ -7,6 +7,7 @@ created the job; another key gets the same 404 as a job that does not exist.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -34,6 +35,7 @@ from api.submission import (
 )
 from api.tokenization import ServedModel
 from shared.config import Settings
+from shared.job_stream import MAX_EVENT_SEQ
 from shared.queue import JobQueue, QueueFullError
 from shared.schemas import (
     ChatMessage,
@@ -49,6 +51,7 @@ from shared.schemas import (
     check_unicode,
 )
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
@@ -126,11 +129,11 @@ def _accepted(record: JobRecord) -> JobAccepted:
                        links=JobLinks(self=f"/v1/jobs/{record.id}", events=f"/v1/jobs/{record.id}/events"))
 
 
-def _prepare(settings: Settings, model: ServedModel, options: _JobOptions, owner: str | None, *,
-             prompt: str | None = None, messages: list[ChatMessage] | None = None,
-             prompt_token_ids: list[int] | None = None, idempotency_key: str | None = None) -> JobSubmission:
+async def _prepare(settings: Settings, model: ServedModel, options: _JobOptions, owner: str | None, *,
+                   prompt: str | None = None, messages: list[ChatMessage] | None = None,
+                   prompt_token_ids: list[int] | None = None, idempotency_key: str | None = None) -> JobSubmission:
     params = options.params()
-    num_prompt_tokens = count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids,
+    num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                             messages=messages)
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages" if messages else "prompt")
     return build_submission(job_id=new_job_id(), model=model, params=params, owner=owner, n=options.n,
@@ -144,7 +147,7 @@ async def create_job(body: JobCreate, response: Response, settings: SettingsDep,
     """Enqueue one job. A repeated ``idempotency_key`` answers 200 with the first job (``Idempotent-Replayed``)."""
     check_caps(settings, max_tokens=body.max_tokens, n=body.n)
     model = await resolve_model(catalog, body.model)
-    submission = _prepare(settings, model, body, owner, prompt=body.prompt, messages=body.messages,
+    submission = await _prepare(settings, model, body, owner, prompt=body.prompt, messages=body.messages,
                           prompt_token_ids=body.prompt_token_ids, idempotency_key=body.idempotency_key)
     record, created = await submit(queue, submission, metrics, endpoint="jobs")
     if not created:
@@ -163,44 +166,48 @@ async def create_jobs(body: JobBatchCreate, settings: SettingsDep, queue: QueueD
     check_caps(settings, max_tokens=body.max_tokens, n=body.n)
     model = await resolve_model(catalog, body.model)
     submissions = [
-        _prepare(settings, model, body, owner,
-                 prompt=p if isinstance(p, str) else None, prompt_token_ids=p if isinstance(p, list) else None,
-                 idempotency_key=f"{body.idempotency_key}:{i}" if body.idempotency_key else None)
+        await _prepare(settings, model, body, owner,
+                       prompt=p if isinstance(p, str) else None, prompt_token_ids=p if isinstance(p, list) else None,
+                       idempotency_key=f"{body.idempotency_key}:{i}" if body.idempotency_key else None)
         for i, p in enumerate(body.prompts)
     ]
     records: list[JobRecord] = []
+    created_ids: list[str] = []
     try:
         for submission in submissions:
             record, created = await queue.submit(submission)
             records.append(record)
             if created:
+                created_ids.append(record.id)
                 record_submitted(metrics, submission, "batch")
     except QueueFullError as exc:
-        for record in records:
-            await queue.cancel(record.id)
+        # Only the jobs this call created: a job an idempotency key replayed belongs to an earlier request.
+        await queue.rollback(created_ids, "its batch was refused (queue full) and rolled back")
         raise queue_full(exc, metrics) from exc
     return JobBatchAccepted(data=[_accepted(r) for r in records])
 
 
-async def _owned(queue: JobQueue, job_id: str, owner: str | None) -> JobSubmission:
-    """The job's submission if the caller may see it; else the same 404 as for a job that does not exist."""
+async def _owned(queue: JobQueue, job_id: str, owner: str | None) -> None:
+    """Return if the caller may see the job; else the same 404 as for a job that does not exist. Only the
+    record's owner field is read, never the submission: another tenant's prompt size must not show in timing."""
     if not _JOB_ID.match(job_id):
         raise job_not_found(job_id)
-    submission = await queue.get_submission(job_id)
-    if submission is None or not can_access(owner, submission.owner):
+    exists, job_owner = await queue.get_owner(job_id)
+    if not exists or not can_access(owner, job_owner):
         raise job_not_found(job_id)
-    return submission
 
 
 @router.get("/{job_id}", response_model=JobRecord)
 async def get_job(job_id: str, queue: QueueDep, catalog: CatalogDep, owner: OwnerDep) -> JobRecord:
     """The job's record; while it runs, with its text so far and its prompt tokens (from its event log)."""
-    submission = await _owned(queue, job_id, owner)
+    await _owned(queue, job_id, owner)
     record = await queue.get(job_id)
     if record is None:
         raise job_not_found(job_id)
     if record.status is JobStatus.RUNNING:
-        return await with_progress(queue, catalog, submission, record)
+        submission = await queue.get_submission(job_id)  # read only once the owner is known to be the caller
+        if submission is not None:
+            return await with_progress(queue, catalog, submission, record)
     return record
 
 
@@ -218,7 +225,8 @@ async def cancel_job(job_id: str, queue: QueueDep, owner: OwnerDep) -> JobRecord
             responses={200: {"content": {"text/event-stream": {}}, "description": "SSE: token|restart|done|error"}})
 async def job_events(job_id: str, queue: QueueDep, metrics: MetricsDep, owner: OwnerDep,
                      last_event_id: Annotated[str | None, Header()] = None,
-                     after: Annotated[int | None, Query(ge=0, description="as Last-Event-ID")] = None
+                     after: Annotated[int | None, Query(ge=0, le=MAX_EVENT_SEQ, description="as Last-Event-ID")
+                                      ] = None
                      ) -> EventStreamResponse:
     """The job's events from the start, or after ``Last-Event-ID``: ``id: <seq>``, ``event: <type>``,
     ``data: <json>``. The stream ends after ``done`` (data: the final job) or ``error``."""
@@ -237,8 +245,8 @@ def _parse_last_event_id(value: str | None) -> int:
     except ValueError:
         raise invalid_request("Last-Event-ID must be an event id (a sequence number)",
                               param="Last-Event-ID") from None
-    if seq < 0:
-        raise invalid_request("Last-Event-ID must not be negative", param="Last-Event-ID")
+    if not 0 <= seq <= MAX_EVENT_SEQ:
+        raise invalid_request(f"Last-Event-ID must be between 0 and {MAX_EVENT_SEQ}", param="Last-Event-ID")
     return seq
 
 
@@ -255,8 +263,9 @@ async def _job_event_stream(relay: JobRelay, metrics: MetricsDep) -> AsyncIterat
         async for event in relay.events():
             assert isinstance(event, TokenEvent | RestartEvent | DoneEvent | ErrorEvent)
             yield format_event(_event_data(event), event=event.type, id=event.seq)
-    except Exception as exc:  # Redis went away mid-stream: say so in-band, the client may resume later
-        yield format_event({"message": f"the event stream failed: {exc}"}, event="error")
+    except Exception:  # Redis went away mid-stream: say so in-band (without Redis's words), the client may resume
+        log.warning("event stream of job %s failed", relay.job_id, exc_info=True, extra={"job_id": relay.job_id})
+        yield format_event({"message": "the event stream failed; resume with Last-Event-ID"}, event="error")
     finally:
         metrics.open_streams.dec()
         await relay.close()

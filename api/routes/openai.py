@@ -68,7 +68,7 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
     check_caps(settings, max_tokens=body.max_tokens, n=body.n)
     prompt, prompt_token_ids = _single_prompt(body.prompt)
     model = await resolve_model(catalog, body.model)
-    num_prompt_tokens = count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
+    num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
     params = _params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
     job_id = new_job_id()
@@ -95,7 +95,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_caps(settings, max_tokens=requested_max, n=body.n)
     messages = _chat_messages(body.messages)
     model = await resolve_model(catalog, body.model)
-    num_prompt_tokens = count_prompt_tokens(model, messages=messages)
+    num_prompt_tokens = await count_prompt_tokens(model, messages=messages)
     max_tokens = requested_max or default_max_tokens(settings, model, num_prompt_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, max_tokens=max_tokens, logprobs=logprobs)

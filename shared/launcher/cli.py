@@ -26,7 +26,7 @@ from shared.config import Settings
 _QUEUE = ("redis_url", "max_queue_length", "result_ttl_s", "lease_ttl_s", "heartbeat_interval_s", "max_attempts",
           "stream_maxlen")
 _API = ("host", "port", "api_keys", "max_body_bytes", "max_tokens_cap", "max_n", "max_batch_size",
-        "redis_max_connections")
+        "max_header_bytes", "header_timeout_s", "tokenize_threads", "redis_max_connections")
 _MODEL = ("model", "model_name", "model_cache_dir")
 _ENGINE = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
            "kv_cache_bytes", "enable_prefix_caching", "speculative", "draft_model", "num_speculative_tokens",

@@ -3,15 +3,5 @@
 -- KEYS[1] job record, KEYS[2] in-flight set; ARGV[1] ctx JSON, ARGV[2] job id.
 -- Returns the record (HGETALL list), empty when the job does not exist.
 local ctx = cjson.decode(ARGV[1])
-local id = ARGV[2]
-local status, model, wid = unpack(redis.call('HMGET', KEYS[1], 'status', 'model', 'worker_id'))
-if not status then return {} end
-if status == 'queued' then
-  redis.call('ZREM', queue_key(ctx, model), id)
-  finish(ctx, KEYS[2], id, 'cancelled', {})
-elseif status == 'running' then
-  redis.call('HSET', KEYS[1], 'cancel', 1)
-  redis.call('SADD', cancels_key(ctx, wid), id)
-  redis.call('PUBLISH', ctx.control_prefix .. wid, id)
-end
+if not cancel_job(ctx, KEYS[2], ARGV[2]) then return {} end
 return redis.call('HGETALL', KEYS[1])

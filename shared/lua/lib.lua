@@ -98,3 +98,21 @@ local function crashed(ctx, inflight, dead, id, why)
   end
   return retry_or_give_up(ctx, inflight, dead, id, crashes, why)
 end
+
+-- Cancel one job: a queued job is removed and finalised now (with `error` when given); a running job gets the
+-- durable cancel flag, joins its worker's cancel set and is announced on the worker's control channel (the
+-- worker aborts and completes it). Anything else is left as it is. Returns the job's status before, or nil.
+local function cancel_job(ctx, inflight, id, error)
+  local jk = job_key(ctx, id)
+  local status, model, wid = unpack(redis.call('HMGET', jk, 'status', 'model', 'worker_id'))
+  if not status then return nil end
+  if status == 'queued' then
+    redis.call('ZREM', queue_key(ctx, model), id)
+    finish(ctx, inflight, id, 'cancelled', error and {'error', error} or {})
+  elseif status == 'running' then
+    redis.call('HSET', jk, 'cancel', 1)
+    redis.call('SADD', cancels_key(ctx, wid), id)
+    redis.call('PUBLISH', ctx.control_prefix .. wid, id)
+  end
+  return status
+end

@@ -50,8 +50,12 @@ if type(created_at) ~= 'number' then
   local t = redis.call('TIME')
   created_at = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
+-- The owner is copied out of the submission so a read can check access without loading the submission
+-- (megabytes of prompt): '' when the job has no owner.
+local owner = sub.owner
+if type(owner) ~= 'string' then owner = '' end
 redis.call('HSET', KEYS[1], 'id', sub.id, 'model', sub.model, 'submission', ARGV[1], 'status', 'queued',
-  'priority', priority, 'score', score, 'attempts', 0, 'fence', 0, 'seq', 0,
+  'priority', priority, 'score', score, 'attempts', 0, 'fence', 0, 'seq', 0, 'owner', owner,
   'created_at', string.format('%.6f', created_at))
 if KEYS[4] then
   redis.call('SET', KEYS[4], sub.id)

@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 
 from api.app import create_app
+from api.http_limits import uvicorn_options
 from shared.config import Settings
 from shared.launcher.redis_server import free_port
 from tests.worker.scripted_engine import MODEL, InProcessWorker
@@ -56,7 +57,7 @@ def start_api(redis_url: str) -> Iterator[Callable[..., ApiServer]]:
         settings = test_settings(redis_url, **overrides)
         port = free_port()
         config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=2)
+                                lifespan="on", timeout_graceful_shutdown=2, **uvicorn_options(settings))
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, name=f"api-{port}", daemon=True)
         thread.start()

@@ -33,13 +33,13 @@ def test_template_helpers_and_errors() -> None:
         ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}", {}).render(MESSAGES)
 
 
-def test_prompt_tokens_are_counted_from_the_card() -> None:
+async def test_prompt_tokens_are_counted_from_the_card() -> None:
     card = model_card()
     from tokenizers import Tokenizer
 
     assert card.tokenizer_json is not None
     model = ServedModel(card.name, card, Tokenizer.from_str(card.tokenizer_json), ChatTemplate(CHATML, {}))
-    assert model.count_prompt_tokens("hello quick brown fox") == 4
+    assert await model.count_prompt_tokens("hello quick brown fox") == 4
 
 
 def _smollm2_folder() -> Path | None:
@@ -50,7 +50,7 @@ def _smollm2_folder() -> Path | None:
 
 
 @pytest.mark.skipif(_smollm2_folder() is None, reason="SmolLM2 not prepared (make setup converts it)")
-def test_smollm2_template_and_counts_match_transformers() -> None:
+async def test_smollm2_template_and_counts_match_transformers() -> None:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
@@ -67,5 +67,5 @@ def test_smollm2_template_and_counts_match_transformers() -> None:
     assert rendered == hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     ids = hf.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    assert model.count_chat_tokens(rendered) == len(ids)
-    assert model.count_prompt_tokens("The capital of France is") == len(hf("The capital of France is").input_ids)
+    assert await model.count_chat_tokens(rendered) == len(ids)
+    assert await model.count_prompt_tokens("The capital of France is") == len(hf("The capital of France is").input_ids)

@@ -32,10 +32,10 @@ async def test_tokenizer_is_rebuilt_only_when_its_json_changes(redis_url: str) -
         first = await catalog.get("cat-model")
         again = await catalog.get("cat-model")  # a new card object with the same JSON
         assert first is not None and again is not None and first.tokenizer is again.tokenizer
-        assert first.count_prompt_tokens("hello world") == 2
+        assert await first.count_prompt_tokens("hello world") == 2
 
         other = Tokenizer(WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]")).to_str()
         await publish_card(queue, other)
         changed = await catalog.get("cat-model")
         assert changed is not None and changed.tokenizer is not first.tokenizer
-        assert changed.count_prompt_tokens("hello world") == 1  # no pre-tokenizer: one unknown "word"
+        assert await changed.count_prompt_tokens("hello world") == 1  # no pre-tokenizer: one unknown "word"
