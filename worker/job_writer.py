@@ -84,7 +84,7 @@ class JobWriter:
     async def _release(self, release: Release) -> None:
         job = release.job
         give_up_s = release.give_up_s if release.give_up_s is not None else self._ctx.redis.give_up_s
-        status = await self._ctx.redis.within(give_up_s, self._ctx.queue.release_job, job.job_id, job.claim.fence,
+        status = await self._ctx.redis.within(give_up_s, self._ctx.queue.release, job.job_id, job.claim.fence,
                                           release.crashed)
         if status is None:
             log.warning("job %s not released: lease lost", job.job_id, extra=self._fields("lease_lost", job))
