@@ -85,6 +85,16 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    # OpenAI fields tokenspool does not honour: declared so that sending one is a 400 naming it, not ignored.
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 # --- responses ----------------------------------------------------------------------------------------

@@ -38,10 +38,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.loadgen import BenchConfig, random_requests, run_benchmark  # noqa: E402
+from benchmarks.loadgen_report import summarize  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
-from shared.loadgen import BenchConfig, random_requests, run_benchmark  # noqa: E402
-from shared.loadgen_report import summarize  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "relay-bench"

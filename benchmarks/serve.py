@@ -43,12 +43,12 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.loadgen import BenchConfig, BenchRequest, random_requests, run_bench_serve, run_benchmark  # noqa: E402
+from benchmarks.loadgen_report import BenchSummary, RequestResult, percentile, summarize  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
 from shared.launcher.supervisor import Supervisor  # noqa: E402
 from shared.launcher.up import child_specs  # noqa: E402
-from shared.loadgen import BenchConfig, BenchRequest, random_requests, run_bench_serve, run_benchmark  # noqa: E402
-from shared.loadgen_report import BenchSummary, RequestResult, percentile, summarize  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GOAL_THROUGHPUT_RATIO = 0.90

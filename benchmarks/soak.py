@@ -46,12 +46,12 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.loadgen import PROMPT_WORDS  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
 from shared.launcher.supervisor import Supervisor  # noqa: E402
 from shared.launcher.up import child_specs  # noqa: E402
-from shared.loadgen import PROMPT_WORDS  # noqa: E402
 from shared.schemas import WorkerInfo  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

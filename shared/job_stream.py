@@ -21,7 +21,7 @@ from shared.schemas import DoneEvent, ErrorEvent, RestartEvent, StreamEvent, Tok
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from shared.queue import JobQueue
+    from shared.queue.client import ClientSide
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def entry_event(fields: dict[Any, Any]) -> dict[str, Any]:
 class JobStreamReader:
     """One reader of one job's events: pub/sub for live delivery, the replay log for history and gaps."""
 
-    def __init__(self, queue: JobQueue, job_id: str, after_seq: int) -> None:
+    def __init__(self, queue: ClientSide, job_id: str, after_seq: int) -> None:
         if not 0 <= after_seq <= MAX_EVENT_SEQ:
             raise ValueError(f"after_seq must be between 0 and {MAX_EVENT_SEQ}, got {after_seq}")
         self._queue = queue

@@ -19,9 +19,7 @@ import pytest
 import uvicorn
 
 from api.app import create_app
-from shared.config import Settings
-from shared.launcher.redis_server import free_port
-from shared.loadgen import (
+from benchmarks.loadgen import (
     PROMPT_WORDS,
     BenchConfig,
     BenchRequest,
@@ -31,7 +29,7 @@ from shared.loadgen import (
     run_bench_serve,
     run_benchmark,
 )
-from shared.loadgen_report import (
+from benchmarks.loadgen_report import (
     RequestResult,
     describe_ms,
     format_table,
@@ -39,6 +37,8 @@ from shared.loadgen_report import (
     percentile,
     summarize,
 )
+from shared.config import Settings
+from shared.launcher.redis_server import free_port
 from tests.worker.scripted_engine import MODEL, InProcessWorker
 
 # --- statistics on known data ------------------------------------------------------------------------------

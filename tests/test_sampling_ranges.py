@@ -18,7 +18,8 @@ from worker.engine import SamplingParams
 # OpenAI request fields that are not sampling parameters, or are renamed/reshaped on the way into a job.
 NOT_SAMPLING = {"model", "n", "stream", "stream_options", "logit_bias", "user", "priority", "background", "prompt",
                 "echo", "suffix", "best_of", "messages", "max_completion_tokens", "top_logprobs", "tools",
-                "response_format"}
+                "response_format", "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities",
+                "audio", "reasoning_effort", "prediction", "web_search_options"}
 FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 
 

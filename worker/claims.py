@@ -9,16 +9,13 @@ from __future__ import annotations
 import logging
 import time
 
-from shared.config import Settings
-from shared.lifecycle_log import LifecycleEvent, job_fields, text_fields
-from shared.queue import ClaimedJob, JobQueue
+from shared.lifecycle_log import text_fields
+from shared.queue import ClaimedJob
 from shared.schemas import JobSubmission
+from worker.context import WorkerContext
 from worker.engine import SamplingParams
-from worker.engine_thread import EngineThread
 from worker.jobs import ActiveJob, prompt_token_ids, request_id
-from worker.metrics import WorkerMetrics
 from worker.port import EnginePort
-from worker.retrying import Retrying
 
 log = logging.getLogger(__name__)
 
@@ -28,25 +25,17 @@ CLAIMS_PER_STEP = 16  # jobs claimed between two engine steps at most, so a deep
 class Claimer:
     """Claims jobs for one worker and adds them to its engine (on the engine thread)."""
 
-    def __init__(self, engine: EnginePort, engine_thread: EngineThread, queue: JobQueue, retrying: Retrying,
-                 metrics: WorkerMetrics, settings: Settings, worker_id: str) -> None:
-        self._engine = engine
-        self._engine_thread = engine_thread
-        self._queue = queue
-        self._redis = retrying
-        self._metrics = metrics
-        self._settings = settings
-        self._worker_id = worker_id
-        self._model = settings.served_model_name
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
 
     async def claim(self, active: dict[str, ActiveJob]) -> tuple[list[ActiveJob], bool]:
         """New jobs, already in the engine, and whether the queue may hold more (all seats offered were taken)."""
         if any(job.claim.alone for job in active.values()):
             return [], False  # an isolated job runs with nothing beside it
-        wanted = min(CLAIMS_PER_STEP, await self._engine_thread.call(self._engine.free_seats))
+        wanted = min(CLAIMS_PER_STEP, await self._ctx.engine_thread.call(self._ctx.engine.free_seats))
         if not wanted:
             return [], True
-        claims = await self._redis(self._queue.claim, self._model, self._worker_id, wanted, not active)
+        claims = await self._ctx.redis(self._ctx.queue.claim, self._ctx.model, self._ctx.worker_id, wanted, not active)
         started = [job for claim in claims if (job := await self._start(claim, active)) is not None]
         return started, len(claims) == wanted
 
@@ -54,36 +43,34 @@ class Claimer:
         sub = claim.submission
         stale = active.pop(sub.id, None)
         if stale is not None:  # claimed again before we noticed its lease was lost: the old attempt is dead
-            await self._engine_thread.call(abort_all, self._engine, stale.unfinished_request_ids())
+            await self._ctx.engine_thread.call(abort_all, self._ctx.engine, stale.unfinished_request_ids())
         try:
-            num_prompt_tokens = await self._engine_thread.call(self._add_requests, sub)
+            num_prompt_tokens = await self._ctx.engine_thread.call(self._add_requests, sub)
         except Exception as exc:  # bad params, prompt too long, template error: this job's fault, not ours
-            log.warning("job %s rejected: %s", sub.id, exc, extra=self._fields("failed", sub.id, attempt=claim.attempt))
-            if await self._redis(self._queue.fail, sub.id, claim.fence, f"invalid job: {exc}"):
-                self._metrics.on_job_event("failed")
+            log.warning("job %s rejected: %s", sub.id, exc,
+                        extra=self._ctx.fields("failed", sub.id, attempt=claim.attempt))
+            if await self._ctx.redis(self._ctx.queue.fail, sub.id, claim.fence, f"invalid job: {exc}"):
+                self._ctx.metrics.on_job_event("failed")
             return None
-        self._metrics.on_claimed(sub.created_at, time.time(), num_prompt_tokens)
+        self._ctx.metrics.on_claimed(sub.created_at, time.time(), num_prompt_tokens)
         log.info("job %s claimed (attempt %d)", sub.id, claim.attempt,
-                 extra=self._fields("claimed", sub.id, attempt=claim.attempt, alone=claim.alone,
+                 extra=self._ctx.fields("claimed", sub.id, attempt=claim.attempt, alone=claim.alone,
                                     priority=sub.priority, n=sub.n, num_prompt_tokens=num_prompt_tokens,
-                                    **text_fields(self._settings.log_prompts, prompt=sub.prompt,
+                                    **text_fields(self._ctx.settings.log_prompts, prompt=sub.prompt,
                                                   messages=[m.model_dump() for m in sub.messages or []] or None)))
         return ActiveJob.start(claim)
 
     def _add_requests(self, job: JobSubmission) -> int:
         """Engine thread: the job's n requests, all or none; returns the prompt's length in tokens."""
-        if job.model != self._model:
-            raise ValueError(f"model: this worker serves {self._model!r}, not {job.model!r}")
-        prompt = prompt_token_ids(job, self._engine.tokenizer)
+        if job.model != self._ctx.model:
+            raise ValueError(f"model: this worker serves {self._ctx.model!r}, not {job.model!r}")
+        prompt = prompt_token_ids(job, self._ctx.engine.tokenizer)
         params = SamplingParams(**job.params.model_dump())
         # One group: the prompt is prefilled once and its KV blocks shared by the n choices; choice i of a seeded
         # job draws with seed + i (Engine.add_request_group).
-        self._engine.add_request_group([request_id(job.id, i) for i in range(job.n)], prompt, params,
+        self._ctx.engine.add_request_group([request_id(job.id, i) for i in range(job.n)], prompt, params,
                                        priority=job.priority)
         return len(prompt)
-
-    def _fields(self, event: LifecycleEvent, job_id: str, **fields: object) -> dict[str, object]:
-        return job_fields(event, job_id, self._model, self._worker_id, **fields)
 
 
 def abort_all(engine: EnginePort, request_ids: list[str]) -> None:

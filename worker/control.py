@@ -7,14 +7,9 @@ import asyncio
 import logging
 import time
 
-from shared.config import Settings
-from shared.queue import JobQueue
 from shared.schemas import ModelCard, WorkerInfo
-from worker.engine_thread import EngineThread
+from worker.context import WorkerContext
 from worker.jobs import ActiveJob
-from worker.metrics import WorkerMetrics
-from worker.port import EnginePort
-from worker.retrying import Retrying
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +17,8 @@ log = logging.getLogger(__name__)
 class Control:
     """Runs beside the step loop of one worker; ``active`` is the step loop's own map of running jobs."""
 
-    def __init__(self, engine: EnginePort, engine_thread: EngineThread, queue: JobQueue, retrying: Retrying,
-                 metrics: WorkerMetrics, settings: Settings, worker_id: str, card: ModelCard,
-                 active: dict[str, ActiveJob]) -> None:
-        self._engine = engine
-        self._engine_thread = engine_thread
-        self._queue = queue
-        self._redis = retrying
-        self._metrics = metrics
-        self._settings = settings
-        self._worker_id = worker_id
+    def __init__(self, ctx: WorkerContext, card: ModelCard, active: dict[str, ActiveJob]) -> None:
+        self._ctx = ctx
         self._card = card
         self._active = active
         self._started_at = time.time()
@@ -54,43 +41,43 @@ class Control:
         return cancelled
 
     async def register(self) -> None:
-        await self._redis(self._queue.register_worker, await self._info(), self._card)
+        await self._ctx.redis(self._ctx.queue.register_worker, await self._info(), self._card)
 
     async def _lease_loop(self) -> None:
         """Renew the leases of running jobs every heartbeat. Never waits for the engine: a step longer than the
         lease (a long prefill on a busy machine) must not let a healthy worker's jobs be taken away."""
         while True:
-            await asyncio.sleep(self._settings.heartbeat_interval_s)
+            await asyncio.sleep(self._ctx.settings.heartbeat_interval_s)
             try:
                 fences = {job_id: job.claim.fence for job_id, job in self._active.items()}
-                lost_ids = await self._redis(self._queue.renew, self._worker_id, fences)
+                lost_ids = await self._ctx.redis(self._ctx.queue.renew, self._ctx.worker_id, fences)
                 self._lost.update((job_id, fences[job_id]) for job_id in lost_ids)
             except Exception:
-                log.exception("lease renewal of worker %s failed", self._worker_id)
+                log.exception("lease renewal of worker %s failed", self._ctx.worker_id)
 
     async def _heartbeat_loop(self) -> None:
         """Refresh the worker's registration (with the engine's stats) and reap expired leases, every heartbeat."""
         while True:
-            await asyncio.sleep(self._settings.heartbeat_interval_s)
+            await asyncio.sleep(self._ctx.settings.heartbeat_interval_s)
             try:
                 await self.register()
-                for recovered in await self._redis(self._queue.reap):
-                    self._metrics.on_requeue_status(recovered.status)
+                for recovered in await self._ctx.redis(self._ctx.queue.reap):
+                    self._ctx.metrics.on_requeue_status(recovered.status)
             except Exception:
-                log.exception("heartbeat of worker %s failed", self._worker_id)
+                log.exception("heartbeat of worker %s failed", self._ctx.worker_id)
 
     async def _cancel_loop(self) -> None:
-        async for job_id in self._queue.cancellations(self._worker_id):
+        async for job_id in self._ctx.queue.cancellations(self._ctx.worker_id):
             self._cancelled.add(job_id)
 
     async def _wake_loop(self) -> None:
-        async for _ in self._queue.wakeups(self._settings.served_model_name):
+        async for _ in self._ctx.queue.wakeups(self._ctx.settings.served_model_name):
             self.nudge.set()
 
     async def _info(self) -> WorkerInfo:
-        stats = await self._engine_thread.call(self._engine.stats)
-        self._metrics.on_engine_stats(stats)
-        return WorkerInfo(id=self._worker_id, model=self._settings.served_model_name,
-                          max_num_seqs=self._settings.max_num_seqs, num_running=stats.num_running,
+        stats = await self._ctx.engine_thread.call(self._ctx.engine.stats)
+        self._ctx.metrics.on_engine_stats(stats)
+        return WorkerInfo(id=self._ctx.worker_id, model=self._ctx.settings.served_model_name,
+                          max_num_seqs=self._ctx.settings.max_num_seqs, num_running=stats.num_running,
                           num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
                           heartbeat_at=time.time(), started_at=self._started_at)

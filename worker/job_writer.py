@@ -9,14 +9,11 @@ from __future__ import annotations
 import logging
 import time
 
-from shared.config import Settings
-from shared.lifecycle_log import RECOVERIES, LifecycleEvent, job_fields, text_fields
-from shared.queue import JobQueue
+from shared.lifecycle_log import RECOVERIES, LifecycleEvent, text_fields
 from shared.schemas import TokenEvent
+from worker.context import WorkerContext
 from worker.jobs import ActiveJob
-from worker.metrics import WorkerMetrics
 from worker.outbox import Finish, Publish, Release, Write
-from worker.retrying import Retrying
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +21,8 @@ log = logging.getLogger(__name__)
 class JobWriter:
     """Writes a worker's jobs to the queue (``write`` is called by the outbox's one task, in order)."""
 
-    def __init__(self, queue: JobQueue, retrying: Retrying, metrics: WorkerMetrics, settings: Settings,
-                 worker_id: str) -> None:
-        self._queue = queue
-        self._redis = retrying
-        self._metrics = metrics
-        self._settings = settings
-        self._worker_id = worker_id
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
         self._lost: set[tuple[str, int]] = set()  # (job id, fence) of attempts whose lease was lost
 
     def take_lost(self) -> set[tuple[str, int]]:
@@ -47,7 +39,7 @@ class JobWriter:
             await self._release(write)
 
     async def _publish(self, batches: list[tuple[ActiveJob, list[TokenEvent]]]) -> None:
-        accepted = await self._redis(self._queue.publish_many,
+        accepted = await self._ctx.redis(self._ctx.queue.publish_many,
                                      [(job.job_id, job.claim.fence, events) for job, events in batches])
         now = time.time()
         for (job, _), ok in zip(batches, accepted, strict=True):
@@ -55,15 +47,15 @@ class JobWriter:
                 self._lost.add((job.job_id, job.claim.fence))
             elif not job.first_token_published and any(c.token_ids for c in job.choices):
                 job.first_token_published = True
-                self._metrics.on_first_token(job.claim.submission.created_at, now)
+                self._ctx.metrics.on_first_token(job.claim.submission.created_at, now)
                 log.info("job %s first token", job.job_id, extra=self._fields("first_token", job))
 
     async def _finish(self, job: ActiveJob) -> None:
         if (job.job_id, job.claim.fence) in self._lost:
             log.warning("job %s dropped: lease lost", job.job_id, extra=self._fields("lease_lost", job))
         elif job.error is not None:
-            if await self._redis(self._queue.fail, job.job_id, job.claim.fence, job.error):
-                self._metrics.on_job_event("failed")
+            if await self._ctx.redis(self._ctx.queue.fail, job.job_id, job.claim.fence, job.error):
+                self._ctx.metrics.on_job_event("failed")
                 log.warning("job %s failed: %s", job.job_id, job.error, extra=self._fields("failed", job))
             else:
                 log.warning("job %s result rejected: lease lost", job.job_id, extra=self._fields("lease_lost", job))
@@ -72,33 +64,34 @@ class JobWriter:
 
     async def _complete(self, job: ActiveJob) -> None:
         result = job.result()
-        if not await self._redis(self._queue.complete, job.job_id, job.claim.fence, result):
+        if not await self._ctx.redis(self._ctx.queue.complete, job.job_id, job.claim.fence, result):
             log.warning("job %s result rejected: lease lost (stale fence)", job.job_id,
                         extra=self._fields("lease_lost", job))
             return
         cancelled = any(c.finish_reason == "abort" for c in result.choices)
         event: LifecycleEvent = "cancelled" if cancelled else "finished"
-        self._metrics.on_job_finished("cancelled" if cancelled else "completed", job.claim.submission.created_at,
+        self._ctx.metrics.on_job_finished("cancelled" if cancelled else "completed", job.claim.submission.created_at,
                                       time.time())
         for choice in job.choices:
-            self._metrics.on_sequence_finished(len(choice.token_ids), choice.first_token_at, choice.last_token_at)
+            self._ctx.metrics.on_sequence_finished(len(choice.token_ids), choice.first_token_at, choice.last_token_at)
         log.info("job %s %s", job.job_id, event,
                  extra=self._fields(event, job, finish_reasons=[c.finish_reason for c in result.choices],
                                     prompt_tokens=result.usage.prompt_tokens,
                                     completion_tokens=result.usage.completion_tokens,
-                                    **text_fields(self._settings.log_prompts, output=[c.text for c in result.choices])))
+                                    **text_fields(self._ctx.settings.log_prompts,
+                                                  output=[c.text for c in result.choices])))
 
     async def _release(self, release: Release) -> None:
         job = release.job
-        give_up_s = release.give_up_s if release.give_up_s is not None else self._redis.give_up_s
-        status = await self._redis.within(give_up_s, self._queue.release_job, job.job_id, job.claim.fence,
+        give_up_s = release.give_up_s if release.give_up_s is not None else self._ctx.redis.give_up_s
+        status = await self._ctx.redis.within(give_up_s, self._ctx.queue.release, job.job_id, job.claim.fence,
                                           release.crashed)
         if status is None:
             log.warning("job %s not released: lease lost", job.job_id, extra=self._fields("lease_lost", job))
             return
-        self._metrics.on_requeue_status(status)
+        self._ctx.metrics.on_requeue_status(status)
         log.info("job %s released by its worker: %s", job.job_id, status,
                  extra=self._fields(RECOVERIES[status].by_worker, job, crashed=release.crashed))
 
     def _fields(self, event: LifecycleEvent, job: ActiveJob, **fields: object) -> dict[str, object]:
-        return job_fields(event, job.job_id, self._settings.served_model_name, self._worker_id, **fields)
+        return self._ctx.fields(event, job.job_id, **fields)

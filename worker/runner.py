@@ -16,10 +16,10 @@ import logging
 import time
 
 from shared.config import Settings
-from shared.lifecycle_log import LifecycleEvent, job_fields
 from shared.queue import JobQueue
 from shared.schemas import TokenEvent, TokenLogprob
 from worker.claims import Claimer, abort_all
+from worker.context import WorkerContext
 from worker.control import Control
 from worker.engine import StepOutput
 from worker.engine_thread import EngineThread
@@ -42,27 +42,21 @@ class Runner:
 
     def __init__(self, engine: EnginePort, engine_thread: EngineThread, queue: JobQueue, settings: Settings,
                  worker_id: str, redis_retry_s: float = REDIS_RETRY_S, metrics: WorkerMetrics | None = None) -> None:
-        self._engine = engine
-        self._engine_thread = engine_thread
-        self._queue = queue
-        self._settings = settings
-        self._worker_id = worker_id
-        self._metrics = metrics or WorkerMetrics(settings.served_model_name)
-        retrying = Retrying(redis_retry_s)
-        self._redis = retrying
+        ctx = WorkerContext(engine, engine_thread, queue, Retrying(redis_retry_s),
+                            metrics or WorkerMetrics(settings.served_model_name), settings, worker_id)
+        self._ctx = ctx
         self._active: dict[str, ActiveJob] = {}
-        self._writer = JobWriter(queue, retrying, self._metrics, settings, worker_id)
+        self._writer = JobWriter(ctx)
         self._outbox = Outbox(self._writer)
-        self._claimer = Claimer(engine, engine_thread, queue, retrying, self._metrics, settings, worker_id)
-        self._control = Control(engine, engine_thread, queue, retrying, self._metrics, settings, worker_id,
-                                model_card(settings.served_model_name, engine), self._active)
+        self._claimer = Claimer(ctx)
+        self._control = Control(ctx, model_card(settings.served_model_name, engine), self._active)
         self._stop = asyncio.Event()
         self._next_poll_at = 0.0  # time.monotonic() when the worker claims next even without a nudge
 
     def request_stop(self) -> None:
         """SIGTERM: stop claiming, finish running jobs within ``drain_timeout_s``, release the rest."""
         if not self._stop.is_set():
-            log.info("worker %s draining (%d jobs running)", self._worker_id, len(self._active))
+            log.info("worker %s draining (%d jobs running)", self._ctx.worker_id, len(self._active))
         self._stop.set()
         self._control.nudge.set()
 
@@ -82,7 +76,7 @@ class Runner:
         drain_deadline: float | None = None
         while True:
             if self._stop.is_set():
-                drain_deadline = drain_deadline or time.monotonic() + self._settings.drain_timeout_s
+                drain_deadline = drain_deadline or time.monotonic() + self._ctx.settings.drain_timeout_s
                 if not self._active or time.monotonic() >= drain_deadline:
                     return 0
             await self._apply_control()
@@ -106,7 +100,7 @@ class Runner:
         if not nudge.is_set() and time.monotonic() < self._next_poll_at:
             return
         nudge.clear()  # before claiming: a job queued from now on sets it again
-        self._next_poll_at = time.monotonic() + self._settings.claim_poll_s
+        self._next_poll_at = time.monotonic() + self._ctx.settings.claim_poll_s
         jobs, may_hold_more = await self._claimer.claim(self._active)
         self._active.update((job.job_id, job) for job in jobs)
         if may_hold_more:
@@ -116,7 +110,7 @@ class Runner:
         """One engine step, its writes queued in the outbox. False when the engine failed (its jobs are
         released as crashed and the worker exits)."""
         try:
-            outputs = await self._engine_thread.call(self._step_engine)
+            outputs = await self._ctx.engine_thread.call(self._step_engine)
         except Exception:
             log.exception("engine step failed; releasing %d jobs", len(self._active))
             for job in self._active.values():
@@ -127,7 +121,7 @@ class Runner:
         published, finished = self._apply(outputs)
         for job in finished:
             if job.error is not None:  # its other choices may still be in the engine
-                await self._engine_thread.call(abort_all, self._engine, job.unfinished_request_ids())
+                await self._ctx.engine_thread.call(abort_all, self._ctx.engine, job.unfinished_request_ids())
         if published:
             await self._outbox.put(Publish(published))
         for job in finished:
@@ -155,13 +149,13 @@ class Runner:
     def _step_engine(self) -> StepResult:
         """Engine thread: a step, with logprob token texts decoded here (the tokenizer lives on this thread)."""
         started = time.perf_counter()
-        outputs = self._engine.step()
+        outputs = self._ctx.engine.step()
         duration_s = time.perf_counter() - started
-        stats = self._engine.stats()
+        stats = self._ctx.engine.stats()
         # Sequences computed in the step: those still running after it plus those it finished.
         batch_size = stats.num_running + sum(out.finished for out in outputs)
-        self._metrics.on_step(duration_s, batch_size, sum(len(out.new_token_ids) for out in outputs), stats)
-        return [(out, to_token_logprobs(out.logprobs, self._engine.tokenizer) if out.logprobs else None)
+        self._ctx.metrics.on_step(duration_s, batch_size, sum(len(out.new_token_ids) for out in outputs), stats)
+        return [(out, to_token_logprobs(out.logprobs, self._ctx.engine.tokenizer) if out.logprobs else None)
                 for out in outputs]
 
     async def _apply_control(self) -> None:
@@ -174,11 +168,11 @@ class Runner:
             job = self._active.get(job_id)
             if job is not None and job.claim.fence == fence:
                 del self._active[job_id]
-                await self._engine_thread.call(abort_all, self._engine, job.unfinished_request_ids())
-                log.warning("job %s dropped: lease lost", job_id, extra=self._fields("lease_lost", job_id))
+                await self._ctx.engine_thread.call(abort_all, self._ctx.engine, job.unfinished_request_ids())
+                log.warning("job %s dropped: lease lost", job_id, extra=self._ctx.fields("lease_lost", job_id))
         for job_id in self._control.take_cancelled() & self._active.keys():
             job = self._active.pop(job_id)
-            await self._engine_thread.call(abort_all, self._engine, job.unfinished_request_ids())
+            await self._ctx.engine_thread.call(abort_all, self._ctx.engine, job.unfinished_request_ids())
             job.abort()
             await self._outbox.put(Finish(job))  # behind its last events, by construction
 
@@ -195,18 +189,15 @@ class Runner:
             log.warning("background tasks %s did not stop within %s s; leaving them",
                         sorted(t.get_name() for t in stuck), TASK_STOP_S,
                         extra={"stacks": [repr(t.get_stack()) for t in stuck]})
-        patience = self._settings.lease_ttl_s
+        patience = self._ctx.settings.lease_ttl_s
         try:
             for job in self._active.values():
-                await self._engine_thread.call(abort_all, self._engine, job.unfinished_request_ids())
+                await self._ctx.engine_thread.call(abort_all, self._ctx.engine, job.unfinished_request_ids())
                 await self._outbox.put(Release(job, crashed=False, give_up_s=patience))
             await self._outbox.close()
-            await self._redis.within(patience, self._queue.deregister_worker, self._worker_id)
+            await self._ctx.redis.within(patience, self._ctx.queue.deregister_worker, self._ctx.worker_id)
         except RETRYABLE_ERRORS as exc:
             log.error("could not release jobs or deregister (%s); their leases will expire", exc)
         finally:
             self._active.clear()
-            self._engine_thread.shutdown()
-
-    def _fields(self, event: LifecycleEvent, job_id: str) -> dict[str, object]:
-        return job_fields(event, job_id, self._settings.served_model_name, self._worker_id)
+            self._ctx.engine_thread.shutdown()

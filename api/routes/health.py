@@ -22,6 +22,18 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.get("/health")
+async def health(resources: ResourcesDep) -> dict[str, str]:
+    """vLLM's and TGI's health check: 200 when the API can reach Redis (503 otherwise). Probes and tools written
+    for those servers (guidellm, copied Kubernetes probes) work unchanged; ``/readyz`` also needs a worker."""
+    try:
+        await resources.redis.ping()
+    except (RedisError, OSError) as exc:
+        log.warning("health: redis unreachable: %s", exc)
+        raise APIError(503, f"redis unreachable: {exc}", code="redis_unavailable") from exc
+    return {"status": "ok"}
+
+
 @router.get("/readyz")
 async def readyz(resources: ResourcesDep) -> dict[str, str | int]:
     """Ready to take work: Redis answers and at least one worker has a live heartbeat (503 otherwise)."""

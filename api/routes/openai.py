@@ -60,6 +60,16 @@ async def list_models(catalog: CatalogDep, _owner: OwnerDep) -> ModelList:
     return ModelList(data=data)
 
 
+@router.get("/models/{model_id:path}", response_model=ModelObject)
+async def retrieve_model(model_id: str, catalog: CatalogDep, _owner: OwnerDep) -> ModelObject:
+    """One served model (``client.models.retrieve``); 404 ``model_not_found`` for any other name."""
+    if model_id not in await catalog.names():
+        raise APIError(404, f"The model '{model_id}' does not exist", type="invalid_request_error",
+                       code="model_not_found", param="model")
+    model = await catalog.get(model_id)
+    return ModelObject(id=model_id, max_model_len=model.max_model_len if model else None)
+
+
 @router.post("/completions", response_model=CompletionResponse,
              responses={200: {"content": {"text/event-stream": {}}}})
 async def create_completion(body: CompletionRequest, request: Request, settings: SettingsDep, queue: QueueDep,
@@ -199,6 +209,7 @@ def _chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
 
 
 def _reject_unsupported_completion(body: CompletionRequest) -> None:
+    _reject_unsupported_stream_options(body)
     if body.echo:
         raise invalid_request("echo is not supported", param="echo")
     if body.suffix:
@@ -209,9 +220,25 @@ def _reject_unsupported_completion(body: CompletionRequest) -> None:
         raise invalid_request("logit_bias is not supported", param="logit_bias")
 
 
+# Chat fields that are refused whenever they are set (tool_choice and parallel_tool_calls need tools, refused too).
+_UNHONOURED_CHAT_FIELDS = ("tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+                           "reasoning_effort", "prediction", "web_search_options")
+
+
+def _reject_unsupported_stream_options(body: SamplingRequest) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise invalid_request("stream_options is only allowed with stream: true", param="stream_options")
+
+
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
+    _reject_unsupported_stream_options(body)
     if body.tools:
         raise invalid_request("tools are not supported", param="tools")
+    for name in _UNHONOURED_CHAT_FIELDS:
+        if getattr(body, name) is not None:
+            raise invalid_request(f"{name} is not supported", param=name)
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise invalid_request("only the text modality is supported", param="modalities")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise invalid_request("only response_format type 'text' is supported", param="response_format")
     if body.top_logprobs and not body.logprobs:

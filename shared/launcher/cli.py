@@ -43,9 +43,9 @@ COMMAND_FIELDS: dict[str, tuple[str, ...]] = {
     "models": ("model_cache_dir", "log_level"),
 }
 
-# `bench serve` is the installed load generator (shared/loadgen.py); the others are scripts in benchmarks/.
+# Every bench is a script in benchmarks/ (`bench serve` is the load generator, benchmarks/loadgen.py).
 BENCHMARKS = {"offline": "offline_throughput.py", "queue-cost": "serve.py", "speculative": "speculative.py",
-              "api-relay": "api_relay.py", "serve": ""}
+              "api-relay": "api_relay.py", "serve": "loadgen.py"}
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -178,10 +178,6 @@ def _run_models(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    if args.benchmark == "serve":
-        from shared.loadgen import run_bench_serve
-
-        return run_bench_serve(list(args.args))
     script = BENCHMARKS_DIR / BENCHMARKS[args.benchmark]
     if not script.is_file():
         print(f"tokenspool bench {args.benchmark}: {script} does not exist yet (it comes with the benchmark issue)",

@@ -22,6 +22,7 @@ from shared import keys
 from shared.job_stream import MAX_EVENT_SEQ
 from shared.queue import JobQueue
 from shared.schemas import Choice, GenerationParams, JobResult, JobSubmission, TokenEvent, Usage
+from tests.queue.queue_helpers import publish, queue_depth
 from tests.worker.scripted_engine import MODEL, InProcessWorker
 
 
@@ -103,7 +104,7 @@ async def _long_finished_job(api: ApiServer) -> str:
         [claimed] = await queue.claim(MODEL, "log-writer", 1)
         for start in range(0, LOG_EVENTS, 1000):
             events = [TokenEvent(seq=seq, text=TEXT) for seq in range(start + 1, start + 1001)]
-            assert await queue.publish(job_id, claimed.fence, events)
+            assert await publish(queue, job_id, claimed.fence, events)
         result = JobResult(choices=[Choice(index=0, text="done", finish_reason="length")], usage=Usage())
         assert await queue.complete(job_id, claimed.fence, result)
     return job_id
@@ -181,7 +182,7 @@ async def test_rollback_cancels_running_jobs_too_and_keeps_keys_it_does_not_own(
         assert record is not None and record.status.value == "cancelled" and record.error == "rolled back"
         assert not await r.exists(keys.idempotency(None, "k-a"))
         assert await r.get(keys.idempotency(None, "k-b")) == b"someone-else-01"
-        assert await queue.queue_depth(MODEL) == 0
+        assert await queue_depth(queue, MODEL) == 0
 
 
 def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing(api: ApiServer,

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 
+from shared import keys
 from shared.config import Settings
 from shared.queue import JobQueue
-from shared.schemas import JobSubmission, StreamEvent
+from shared.schemas import JobSubmission, RestartEvent, StreamEvent, TokenEvent
 
 MODEL = "tiny"
 
@@ -44,3 +45,17 @@ async def worker_test_queue(redis_url: str) -> AsyncIterator[JobQueue]:
 
 async def collect(stream: AsyncIterator[StreamEvent]) -> list[StreamEvent]:
     return [event async for event in stream]
+
+
+async def publish(queue: JobQueue, job_id: str, fence: int, events: Sequence[TokenEvent | RestartEvent]) -> bool:
+    """One job's events, as a worker's step publishes them (``publish_many`` of one job)."""
+    return (await queue.publish_many([(job_id, fence, events)]))[0]
+
+
+async def queue_depth(queue: JobQueue, model: str) -> int:
+    return int(await queue.redis.zcard(keys.queue(model)))
+
+
+async def dead_letters(queue: JobQueue) -> list[str]:
+    """Ids in the dead-letter set, oldest first."""
+    return [x.decode() if isinstance(x, bytes) else x for x in await queue.redis.zrange(keys.DEAD_LETTER, 0, -1)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from queue_helpers import MODEL, collect, make_job
+from queue_helpers import MODEL, collect, make_job, publish
 
 from shared.queue import JobQueue
 from shared.schemas import Choice, DoneEvent, ErrorEvent, JobResult, JobStatus, TokenEvent, Usage
@@ -19,7 +19,7 @@ async def _produce(queue: JobQueue, job_id: str, fence: int, pieces: list[str], 
     Events are numbered within the claim: piece i is event i + 1."""
     for start in range(first, len(pieces), batch):
         events = [TokenEvent(seq=i + 1, text=pieces[i]) for i in range(start, min(start + batch, len(pieces)))]
-        assert await queue.publish(job_id, fence, events)
+        assert await publish(queue, job_id, fence, events)
         await asyncio.sleep(0.002)
     assert await queue.complete(job_id, fence, _result("".join(pieces)))
 
@@ -30,7 +30,7 @@ async def test_replay_then_live_without_gap_or_duplicate(queue: JobQueue) -> Non
     await queue.submit(job)
     [claim] = await queue.claim(MODEL, "w1", 1)
     # 40 events are already in the log when the readers arrive; the rest race with their replay.
-    await queue.publish(job.id, claim.fence, [TokenEvent(seq=i + 1, text=pieces[i]) for i in range(40)])
+    await publish(queue, job.id, claim.fence, [TokenEvent(seq=i + 1, text=pieces[i]) for i in range(40)])
 
     async def read(after_seq: int) -> list:
         async with queue.open_stream(job.id, after_seq=after_seq) as stream:
@@ -64,9 +64,9 @@ async def test_retried_publish_does_not_duplicate(queue: JobQueue) -> None:
     await queue.submit(job)
     [claim] = await queue.claim(MODEL, "w1", 1)
     first = [TokenEvent(seq=1, text="a"), TokenEvent(seq=2, text="b")]
-    assert await queue.publish(job.id, claim.fence, first)
-    assert await queue.publish(job.id, claim.fence, first)  # the reply was lost; the worker retries
-    assert await queue.publish(job.id, claim.fence, [TokenEvent(seq=3, text="c")])
+    assert await publish(queue, job.id, claim.fence, first)
+    assert await publish(queue, job.id, claim.fence, first)  # the reply was lost; the worker retries
+    assert await publish(queue, job.id, claim.fence, [TokenEvent(seq=3, text="c")])
     await queue.complete(job.id, claim.fence, _result("abc"))
     async with queue.open_stream(job.id) as stream:
         events = await collect(stream)

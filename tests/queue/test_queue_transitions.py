@@ -6,7 +6,7 @@ import asyncio
 import json
 
 import pytest
-from queue_helpers import MODEL, collect, make_job, queue_settings
+from queue_helpers import MODEL, collect, dead_letters, make_job, publish, queue_depth, queue_settings
 from redis.asyncio import Redis
 
 from shared import keys
@@ -30,13 +30,13 @@ async def test_priority_order_and_fifo_within_a_priority(queue: JobQueue) -> Non
     jobs = [make_job(priority=p) for p in priorities]
     for job in jobs:
         await queue.submit(job)
-    assert await queue.queue_depth(MODEL) == len(jobs)
+    assert await queue_depth(queue, MODEL) == len(jobs)
 
     claimed = [c.submission.id for _ in jobs for c in await queue.claim(MODEL, "w1", 1)]
 
     expected = [j.id for j in sorted(jobs, key=lambda j: -j.priority)]  # sorted() is stable: FIFO per priority
     assert claimed == expected
-    assert await queue.queue_depth(MODEL) == 0
+    assert await queue_depth(queue, MODEL) == 0
 
 
 async def test_claim_sets_running_with_fence_and_renew_keeps_the_lease(queue: JobQueue, redis: Redis) -> None:
@@ -53,7 +53,7 @@ async def test_claim_sets_running_with_fence_and_renew_keeps_the_lease(queue: Jo
     for _ in range(4):  # 4 x 0.2 s > the 0.5 s lease: only renewals keep it
         await asyncio.sleep(0.2)
         assert await queue.renew("w1", {job.id: claim.fence}) == []
-        assert await queue.reap_expired() == 0
+        assert len(await queue.reap()) == 0
     assert await queue.renew("w2", {job.id: claim.fence}) == [job.id]  # another worker cannot renew it
     assert await queue.complete(job.id, claim.fence, RESULT)
     done = await queue.get(job.id)
@@ -67,14 +67,14 @@ async def test_stale_fence_is_rejected_after_the_job_moved_on(queue: JobQueue) -
     await queue.submit(job)
     [first] = await queue.claim(MODEL, "w1", 1)
     await asyncio.sleep(0.6)
-    assert await queue.reap_expired() == 1
+    assert len(await queue.reap()) == 1
     [second] = await queue.claim(MODEL, "w2", 1)
     assert second.fence > first.fence and second.attempt == 2
 
-    assert not await queue.publish(job.id, first.fence, [TokenEvent(seq=1, text="late")])
+    assert not await publish(queue, job.id, first.fence, [TokenEvent(seq=1, text="late")])
     assert not await queue.complete(job.id, first.fence, RESULT)
     assert not await queue.fail(job.id, first.fence, "late")
-    assert not await queue.release(job.id, first.fence, charge_attempt=False)
+    assert not await queue.release(job.id, first.fence, crashed=False)
     assert await queue.renew("w1", {job.id: first.fence}) == [job.id]
 
     assert await queue.complete(job.id, second.fence, RESULT)
@@ -87,12 +87,12 @@ async def test_expired_lease_requeues_at_its_priority_with_a_restart_event(queue
     job = make_job(priority=3)
     await queue.submit(job)
     [claim] = await queue.claim(MODEL, "w1", 1)
-    assert await queue.publish(job.id, claim.fence, [TokenEvent(seq=1, text="a"), TokenEvent(seq=2, text="b")])
+    assert await publish(queue, job.id, claim.fence, [TokenEvent(seq=1, text="a"), TokenEvent(seq=2, text="b")])
     later = make_job(priority=3)
     await queue.submit(later)
 
     await asyncio.sleep(0.6)
-    assert await queue.reap_expired() == 1
+    assert len(await queue.reap()) == 1
     record = await queue.get(job.id)
     assert record is not None
     assert (record.status, record.attempts, record.worker_id) == (JobStatus.QUEUED, 1, None)
@@ -100,7 +100,7 @@ async def test_expired_lease_requeues_at_its_priority_with_a_restart_event(queue
     # The restarted job keeps its place: ahead of a job of the same priority submitted after it.
     [again] = await queue.claim(MODEL, "w2", 1)
     assert again.submission.id == job.id and again.attempt == 2
-    assert await queue.publish(job.id, again.fence, [TokenEvent(seq=1, text="c")])
+    assert await publish(queue, job.id, again.fence, [TokenEvent(seq=1, text="c")])
     assert await queue.complete(job.id, again.fence, RESULT)
 
     async with queue.open_stream(job.id) as stream:
@@ -122,13 +122,13 @@ async def test_max_attempts_fails_the_job_into_the_dead_letter_set(redis: Redis,
         [claim] = await queue.claim(MODEL, f"w{attempt}", 1)
         assert (claim.attempt, claim.alone) == (attempt, attempt > 1)
         await asyncio.sleep(0.3)
-        assert await queue.reap_expired() == 1
+        assert len(await queue.reap()) == 1
 
     record = await queue.get(job.id)
     assert record is not None and record.status is JobStatus.FAILED and record.attempts == 3
     assert record.error is not None and "max_attempts=2" in record.error and "lease expired" in record.error
     assert "2 times running alone" in record.error
-    assert await queue.dead_letters() == [job.id]
+    assert await dead_letters(queue) == [job.id]
     assert await queue.claim(MODEL, "w4", 1) == []
     assert 0 < await redis.ttl(keys.job(job.id)) <= 600
 
@@ -137,7 +137,7 @@ async def test_release_without_charge_keeps_the_attempt_count(queue: JobQueue) -
     job = make_job()
     await queue.submit(job)
     [claim] = await queue.claim(MODEL, "w1", 1)
-    assert await queue.release(job.id, claim.fence, charge_attempt=False)
+    assert await queue.release(job.id, claim.fence, crashed=False)
     record = await queue.get(job.id)
     assert record is not None and (record.status, record.attempts) == (JobStatus.QUEUED, 1)
     [restart] = await queue.replay(job.id, 0)
@@ -154,7 +154,7 @@ async def test_cancel_a_queued_job_removes_and_finalises_it(queue: JobQueue) -> 
         record = await queue.cancel(job.id)
         assert record is not None and record.status is JobStatus.CANCELLED
         events = await collect(stream)
-    assert await queue.queue_depth(MODEL) == 0
+    assert await queue_depth(queue, MODEL) == 0
     assert await queue.claim(MODEL, "w1", 1) == []
     [done] = events
     assert isinstance(done, DoneEvent) and done.job.status is JobStatus.CANCELLED
@@ -196,7 +196,7 @@ async def test_cancelled_job_whose_worker_died_is_finalised_by_the_reaper(queue:
     await queue.claim(MODEL, "w1", 1)
     await queue.cancel(job.id)
     await asyncio.sleep(0.6)
-    assert await queue.reap_expired() == 1
+    assert len(await queue.reap()) == 1
     record = await queue.get(job.id)
     assert record is not None and record.status is JobStatus.CANCELLED
 
@@ -207,7 +207,7 @@ async def test_idempotency_key_returns_the_existing_job_per_owner(queue: JobQueu
     other, created_other = await queue.submit(make_job(idempotency_key="k1", owner="bob"))
     assert created and not created_again and created_other
     assert again.id == first.id and other.id != first.id
-    assert await queue.queue_depth(MODEL) == 2
+    assert await queue_depth(queue, MODEL) == 2
 
 
 async def test_taken_id_is_refused(queue: JobQueue) -> None:
@@ -221,7 +221,7 @@ async def test_result_ttl_applies_to_every_key_of_the_job_at_the_end(queue: JobQ
     job = make_job(idempotency_key="ttl", owner="o")
     await queue.submit(job)
     [claim] = await queue.claim(MODEL, "w1", 1)
-    await queue.publish(job.id, claim.fence, [TokenEvent(seq=1, text="x")])
+    await publish(queue, job.id, claim.fence, [TokenEvent(seq=1, text="x")])
     job_keys = [keys.job(job.id), keys.job_log(job.id), keys.idempotency("o", "ttl")]
     assert [await redis.ttl(k) for k in job_keys] == [-1, -1, -1]  # nothing expires while it runs
 
@@ -264,7 +264,7 @@ async def test_malformed_job_pushed_raw_fails_cleanly(queue: JobQueue, redis: Re
     assert record is not None and record.status is JobStatus.FAILED
     assert record.error is not None and record.error.startswith("invalid job")
     assert await queue.get_submission(job_id) is None
-    assert await queue.queue_depth(MODEL) == 0
+    assert await queue_depth(queue, MODEL) == 0
 
 
 async def test_worker_registry_and_model_cards(queue: JobQueue) -> None:
@@ -290,7 +290,7 @@ async def test_a_crash_isolates_the_jobs_it_took_down_without_charging_them(queu
         await queue.submit(job)
     assert len(await queue.claim(MODEL, "w1", 5)) == 3
     await asyncio.sleep(0.6)
-    assert await queue.reap_expired() == 3
+    assert len(await queue.reap()) == 3
     for job in jobs:
         assert await queue.redis.hmget(keys.job(job.id), "isolate", "crashes", "attempts") == ["1", None, "1"]
     late = make_job()
@@ -301,6 +301,6 @@ async def test_a_crash_isolates_the_jobs_it_took_down_without_charging_them(queu
     assert (solo.submission.id, solo.attempt, solo.alone) == (jobs[0].id, 2, True)
 
     # Crashing again while alone is charged; a crash is charged by a release after an engine failure too.
-    assert await queue.release(solo.submission.id, solo.fence, charge_attempt=True)
+    assert await queue.release(solo.submission.id, solo.fence, crashed=True)
     assert await queue.redis.hget(keys.job(jobs[0].id), "crashes") == "1"
     assert [c.submission.id for c in await queue.claim(MODEL, "w3", 1)] == [jobs[0].id]

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import suppress
 
-from queue_helpers import MODEL, make_job
+from queue_helpers import MODEL, make_job, queue_depth
 from redis.asyncio import Redis
 
 from shared import keys
@@ -42,7 +42,7 @@ async def test_a_requeued_job_wakes_the_listeners(queue: JobQueue) -> None:
     await queue.submit(job)
     [claim] = await queue.claim(MODEL, "w1", 1)
     listener = await listening(queue)
-    assert await queue.release(job.id, claim.fence, charge_attempt=False)
+    assert await queue.release(job.id, claim.fence, crashed=False)
     assert await asyncio.wait_for(anext(listener), 1.0) == job.id
     await listener.aclose()
 
@@ -64,7 +64,7 @@ async def test_submit_lua_as_shipped_publishes_only_when_given_the_channel(queue
         await redis.eval(lua_source("submit"), 3, keys.job(job.id), keys.queue(MODEL), keys.queue_seq(MODEL),
                          job.model_dump_json(), 10_000, *extra)
     assert await asyncio.wait_for(anext(listener), 1.0) == told.id
-    assert await queue.queue_depth(MODEL) == 2
+    assert await queue_depth(queue, MODEL) == 2
     await listener.aclose()
 
 

@@ -22,7 +22,7 @@ from shared import keys
 from shared.config import Settings
 from shared.launcher.redis_server import RedisServer, find_redis_server, free_port
 from shared.queue import JobQueue
-from tests.queue.queue_helpers import make_job
+from tests.queue.queue_helpers import make_job, queue_depth
 from tests.reliability.stack import MODEL, ApiProcess, follow, poll, submit
 from tests.worker.worker_process import WorkerProcess
 
@@ -216,7 +216,7 @@ async def test_rediss_url_with_a_ca_works_for_the_queue_the_api_and_a_worker(
         job = make_job(model="tiny-rel")
         record, created = await queue.submit(job)
         assert created and (await queue.get(job.id)) == record
-        assert await queue.queue_depth("tiny-rel") == 1
+        assert await queue_depth(queue, "tiny-rel") == 1
     finally:
         await client.aclose()
 

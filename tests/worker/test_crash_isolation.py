@@ -15,6 +15,7 @@ from shared import keys
 from shared.config import Settings
 from shared.queue import JobQueue
 from shared.schemas import GenerationParams, JobStatus, JobSubmission
+from tests.queue.queue_helpers import dead_letters
 from tests.worker.crashing_worker import CRASH_TOKEN_ID
 from tests.worker.worker_process import WorkerProcess
 
@@ -61,7 +62,7 @@ async def test_a_poison_job_is_dead_lettered_alone(redis_url: str, tiny_llama: P
     record = await queue.get(poison.id)
     assert record is not None and record.status is JobStatus.FAILED, record
     assert record.error is not None and "gave up after max_attempts=1" in record.error
-    assert await queue.dead_letters() == [poison.id]
+    assert await dead_letters(queue) == [poison.id]
     for job in good:
         record = await queue.get(job.id)
         assert record is not None and record.status is JobStatus.SUCCEEDED, record

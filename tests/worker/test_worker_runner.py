@@ -27,6 +27,7 @@ from worker.main import engine_config
 from worker.runner import Runner
 
 PUBLISH_DELAY_S = 0.1
+LEASE_S = 5.0
 NUM_TOKENS = 6
 
 
@@ -79,7 +80,7 @@ class Harness:
 @pytest.fixture()
 async def harness(redis_url: str, tiny_llama: Path) -> AsyncIterator[Harness]:
     settings = queue_settings(redis_url, model=str(tiny_llama), model_name="tiny", device="cpu", num_threads=1,
-                              lease_ttl_s=5, heartbeat_interval_s=0.5, num_kv_blocks=64, max_num_seqs=4)
+                              lease_ttl_s=LEASE_S, heartbeat_interval_s=0.5, num_kv_blocks=64, max_num_seqs=4)
     timeline = Timeline()
     engine_thread = EngineThread()
     engine = await asyncio.to_thread(engine_thread.build, lambda: Engine(engine_config(settings)))
@@ -257,7 +258,7 @@ async def test_a_job_the_engine_fails_ends_failed_alone_and_the_worker_keeps_ser
 async def test_a_step_longer_than_the_lease_keeps_the_lease(harness: Harness) -> None:
     """A step that outlasts the lease (a long prefill on a busy machine) does not stop lease renewal: the job
     is not reaped meanwhile and finishes as its first attempt."""
-    lease_s = harness.runner._settings.lease_ttl_s
+    lease_s = LEASE_S
     inner, slow = harness.engine.step, [True]
 
     def slow_step():  # type: ignore[no-untyped-def]

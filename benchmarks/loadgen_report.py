@@ -1,6 +1,6 @@
 """What ``tokenspool bench serve`` measured, summarized: percentiles, the result table, JSON and a PNG.
 
-The load generator (``shared.loadgen``) produces one :class:`RequestResult` per request; everything here is a
+The load generator (``benchmarks.loadgen``) produces one :class:`RequestResult` per request; everything here is a
 pure function of those results and the run's duration, so the statistics are tested on known data.
 Latencies are reported in milliseconds, as ``vllm bench serve`` does. matplotlib is imported only by
 :func:`write_plot` (and only its Agg canvas: no pyplot, no global backend switch).

@@ -3,7 +3,7 @@
 Requests (random word prompts, or a JSONL dataset) leave at the times of a Poisson process of
 ``--request-rate`` per second (``inf``: all at once), with at most ``--max-concurrency`` in flight, through
 OpenAI streaming ``/v1/completions`` or the job API (``POST /v1/jobs``, then its SSE events). Every streamed
-response is timed: time to first token, the gaps between chunks, end-to-end latency. ``shared.loadgen_report``
+response is timed: time to first token, the gaps between chunks, end-to-end latency. ``benchmarks.loadgen_report``
 turns the results into a table, JSON and a PNG. Pure asyncio + httpx (no torch), so it runs on any client.
 Everything is bounded: ``--num-prompts`` requests, each cut off after ``--timeout`` seconds.
 """
@@ -25,7 +25,9 @@ from typing import Any, Literal, TextIO
 
 import httpx
 
-from shared.loadgen_report import RequestResult, format_table, result_json, summarize, write_json, write_plot
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
+
+from benchmarks.loadgen_report import RequestResult, format_table, result_json, summarize, write_json, write_plot
 
 Endpoint = Literal["completions", "jobs"]
 

@@ -1,0 +1,138 @@
+"""The job queue's shared half: records and replies of the Redis job protocol (docs/protocol.md), and the
+connection, the scripts and the key layout both sides of ``JobQueue`` use. Nothing here imports torch."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.config import Settings
+from shared.pubsub import as_text
+from shared.schemas import (
+    JobRecord,
+    JobResult,
+    JobStatus,
+    JobSubmission,
+    Usage,
+)
+from shared.scripts import Scripts
+
+
+class QueueFullError(Exception):
+    """The model's queue holds ``max_queue_length`` jobs; the client should retry after ``retry_after_s``."""
+
+    def __init__(self, model: str, depth: int, retry_after_s: int) -> None:
+        super().__init__(f"queue of model {model!r} is full ({depth} jobs); retry after {retry_after_s} s")
+        self.model = model
+        self.depth = depth
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    """A job a worker now holds: its ``fence`` must accompany every write, ``attempt`` counts from 1. A job
+    claimed ``alone`` must run with no other job beside it until it ends (crash isolation, docs/protocol.md)."""
+
+    submission: JobSubmission
+    fence: int
+    attempt: int
+    alone: bool = False  # an isolated job (it was running when a worker crashed): run nothing beside it
+
+
+@dataclass(frozen=True)
+class RecoveredJob:
+    """A running job taken back from its worker by the reaper, and its new ``status``: ``queued`` (requeued, a
+    restart for its readers), ``failed`` (out of attempts, dead-lettered) or ``cancelled`` (a cancel was pending)."""
+
+    job_id: str
+    model: str
+    worker_id: str | None
+    status: str
+
+
+# Queue scores are ``-priority * PRIORITY_STRIDE + seq`` with 0 < seq < PRIORITY_STRIDE (shared/keys.py).
+PRIORITY_STRIDE = 2**32
+
+
+def priority_of_score(score: float) -> int:
+    """The priority encoded in a queue score (``-priority * 2**32 + seq``, docs/protocol.md)."""
+    return -math.floor(score / PRIORITY_STRIDE)
+
+
+def reply_fields(flat: Sequence[Any]) -> dict[str, str]:
+    """A flat ``[field, value, ...]`` script reply (HGETALL inside Lua) as a dict."""
+    return {as_text(flat[i]): as_text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _float(fields: dict[str, str], name: str) -> float | None:
+    value = fields.get(name)
+    return float(value) if value else None
+
+
+def record_from_fields(fields: dict[str, str]) -> JobRecord:
+    """Build a JobRecord from the job hash (field names in docs/protocol.md); ``text`` mirrors choice 0."""
+    result = JobResult.model_validate_json(fields["result"]) if fields.get("result") else None
+    first = result.choices[0] if result and result.choices else None
+    return JobRecord(
+        id=fields["id"],
+        model=fields["model"],
+        status=JobStatus(fields["status"]),
+        priority=int(fields.get("priority", 0)),
+        attempts=int(fields.get("attempts", 0)),
+        text=first.text if first else None,
+        finish_reason=first.finish_reason if first else None,
+        choices=result.choices if result else [],
+        usage=result.usage if result else Usage(),
+        error=fields.get("error"),
+        worker_id=fields.get("worker_id") or None,
+        created_at=_float(fields, "created_at"),
+        started_at=_float(fields, "started_at"),
+        first_token_at=_float(fields, "first_token_at"),
+        finished_at=_float(fields, "finished_at"),
+    )
+
+
+class QueueBase:
+    """One ``redis.asyncio.Redis`` client, the loaded scripts and the ``ctx`` every transition script takes."""
+
+    def __init__(self, redis: Redis, settings: Settings, poll_interval_s: float = 2.0) -> None:
+        self._redis = redis
+        self._settings = settings
+        self._scripts = Scripts.load(redis)
+        # A stream or cancellation listener re-checks Redis after this long without a message, so a missed
+        # pub/sub message (a reconnect) costs at most this delay and a finished job never hangs a reader.
+        self._poll_s = poll_interval_s
+        self._ctx = json.dumps({
+            "job_prefix": keys.JOB_PREFIX, "job_suffix": keys.JOB_SUFFIX, "log_suffix": keys.LOG_SUFFIX,
+            "live_suffix": keys.LIVE_SUFFIX, "queue_prefix": keys.QUEUE_PREFIX, "queue_suffix": keys.QUEUE_SUFFIX,
+            "wake_suffix": keys.QUEUE_WAKE_SUFFIX,
+            "worker_prefix": keys.WORKER_PREFIX, "cancels_suffix": keys.WORKER_CANCELS_SUFFIX,
+            "control_prefix": keys.CONTROL_PREFIX, "lease_ttl_s": settings.lease_ttl_s,
+            "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
+            "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
+        })
+        self._cards_sent: set[str] = set()
+
+    @property
+    def redis(self) -> Redis:
+        return self._redis
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self._poll_s
+
+
+def invalid_reason(exc: ValueError) -> str:
+    """Why a submission is invalid, without echoing its values: pydantic's message quotes the input (the
+    prompt), and prompts must stay out of logs."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'submission'}: {e['msg']}"
+                         for e in exc.errors(include_input=False, include_url=False))
+    return str(exc)

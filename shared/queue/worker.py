@@ -1,0 +1,172 @@
+"""The job queue, the worker's side: register, claim under a lease and a fence, renew, publish events, complete,
+fail or release jobs, hear cancellations and wake-ups, and reap expired leases (the API's reaper does too)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncGenerator, Iterable, Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from shared import keys
+from shared.lifecycle_log import RECOVERIES, job_fields
+from shared.pubsub import as_text, listen
+from shared.queue.base import ClaimedJob, QueueBase, RecoveredJob, invalid_reason
+from shared.schemas import (
+    JobResult,
+    JobStatus,
+    JobSubmission,
+    ModelCard,
+    RestartEvent,
+    TokenEvent,
+    WorkerInfo,
+)
+
+log = logging.getLogger(__name__)
+
+REAP_BATCH = 100
+
+
+class WorkerSide(QueueBase):
+    """Worker operations of the job protocol; every write carries the claim's fence."""
+
+    async def register_worker(self, info: WorkerInfo, card: ModelCard) -> None:
+        """Heartbeat: (re)register the worker, and publish its model card the first time (the card holds the
+        tokenizer, megabytes, so later heartbeats do not resend it)."""
+        info_ttl = max(1, math.ceil(self._settings.lease_ttl_s * keys.WORKER_INFO_TTL_LEASES))
+        send_card = info.id not in self._cards_sent or not await self._redis.hexists(keys.MODEL_CARDS, card.name)
+        await self._scripts.register(
+            keys=[keys.WORKERS, keys.worker_info(info.id), keys.MODEL_CARDS],
+            args=[info.id, info.model_dump_json(), info_ttl, card.name, card.model_dump_json() if send_card else ""],
+        )
+        self._cards_sent.add(info.id)
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        """The worker leaves cleanly (its jobs must have been completed or released first)."""
+        await self._scripts.deregister(keys=[keys.WORKERS, keys.worker_info(worker_id)], args=[worker_id])
+        self._cards_sent.discard(worker_id)
+
+    async def claim(self, model: str, worker_id: str, max_jobs: int, idle: bool = True) -> list[ClaimedJob]:
+        """Take up to ``max_jobs`` jobs of ``model``, best priority first, under a lease of ``lease_ttl_s``.
+
+        ``idle``: the worker holds no job. Only an idle worker is handed an isolated job (then alone); a busy one
+        claims nothing behind an isolated job at the head of the queue, so it drains and can take it next.
+
+        A job whose stored submission is not a valid JobSubmission for this queue fails at once with the
+        validation error and is not returned; the caller never sees malformed jobs.
+        """
+        reply = await self._scripts.claim(keys=[keys.queue(model), keys.INFLIGHT],
+                                          args=[self._ctx, worker_id, max_jobs, int(idle)])
+        claimed = []
+        for raw_id, raw_sub, fence, attempt, alone in reply:
+            job_id = as_text(raw_id)
+            try:
+                submission = JobSubmission.model_validate_json(raw_sub)
+                if submission.id != job_id or submission.model != model:
+                    raise ValueError(f"submission id/model ({submission.id}, {submission.model}) do not match "
+                                     f"its record ({job_id}) and queue ({model})")
+            except ValueError as exc:  # pydantic's ValidationError is a ValueError
+                reason = invalid_reason(exc)
+                log.warning("job %s is malformed, failing it: %s", job_id, reason, extra={"job_id": job_id})
+                await self.fail(job_id, int(fence), f"invalid job: {reason}")
+                continue
+            claimed.append(ClaimedJob(submission, int(fence), int(attempt), alone=int(alone) == 1))
+        return claimed
+
+    async def renew(self, worker_id: str, fences: dict[str, int]) -> list[str]:
+        """Extend the leases of the worker's jobs; returns the ids whose lease was lost (abort those)."""
+        if not fences:
+            return []
+        args: list[str | int] = [self._ctx, worker_id]
+        for job_id, fence in fences.items():
+            args += [job_id, fence]
+        return [as_text(x) for x in await self._scripts.renew(keys=[keys.INFLIGHT], args=args)]
+
+    async def publish_many(self, batches: Iterable[tuple[str, int, Sequence[TokenEvent | RestartEvent]]],
+                           ) -> list[bool]:
+        """``publish`` for several jobs in one round trip (one pipeline per engine step).
+
+        Each event's ``seq`` is its number within this claim (1, 2, ... per attempt, gap-free); Redis renumbers
+        it with the job's own counter, so seq keeps growing across attempts, and drops numbers it already
+        has, so a retried call never duplicates an event.
+        """
+        calls: list[tuple[str, list[str | int]]] = []
+        for job_id, fence, events in batches:
+            args: list[str | int] = [self._ctx, job_id, fence, int(any(isinstance(e, TokenEvent) for e in events))]
+            for event in events:
+                args += [event.seq, event.model_dump_json(exclude={"seq"})]
+            calls.append((keys.job(job_id), args))
+        try:
+            replies = await self._publish_pipeline(calls)
+        except NoScriptError:  # Redis restarted and lost its scripts: nothing ran; load it and send again
+            await self._redis.script_load(self._scripts.publish.script)
+            replies = await self._publish_pipeline(calls)
+        return [bool(int(r)) for r in replies]
+
+    async def _publish_pipeline(self, calls: Sequence[tuple[str, list[str | int]]]) -> list[Any]:
+        """EVALSHA of publish.lua per job in one pipeline. Called directly rather than as registered scripts,
+        which would make every pipeline ask ``SCRIPT EXISTS`` first: one round trip per engine step saved."""
+        sha = self._scripts.publish.sha
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_key, args in calls:
+                pipe.evalsha(sha, 1, job_key, *args)
+            return list(await pipe.execute())
+
+    async def complete(self, job_id: str, fence: int, result: JobResult) -> bool:
+        """Write the result with the final status: ``cancelled`` if any choice was aborted (a cancel), else
+        ``succeeded``. False: stale fence, rejected."""
+        aborted = any(c.finish_reason == "abort" for c in result.choices)
+        status = JobStatus.CANCELLED if aborted else JobStatus.SUCCEEDED
+        ok = await self._scripts.complete(keys=[keys.job(job_id), keys.INFLIGHT],
+                                          args=[self._ctx, job_id, fence, status.value, result.model_dump_json()])
+        return bool(int(ok))
+
+    async def fail(self, job_id: str, fence: int, error: str) -> bool:
+        """Fail the job for good with ``error`` (no retry). False: stale fence, rejected."""
+        ok = await self._scripts.fail(keys=[keys.job(job_id), keys.INFLIGHT], args=[self._ctx, job_id, fence, error])
+        return bool(int(ok))
+
+    async def release(self, job_id: str, fence: int, crashed: bool) -> str | None:
+        """Give a running job back to its queue at its priority (a restart event tells its readers): after its
+        engine crashed (``crashed``: charged if it ran alone, else isolated; docs/protocol.md) or in a drain (not
+        charged). Returns the job's new status (``queued``; ``failed`` when dead-lettered; ``cancelled`` when a
+        cancel was pending), or None for a stale fence."""
+        reply = await self._scripts.release(keys=[keys.job(job_id), keys.INFLIGHT, keys.DEAD_LETTER],
+                                            args=[self._ctx, job_id, fence, int(crashed)])
+        status = as_text(reply)
+        return None if status == "0" else status
+
+    def cancellations(self, worker_id: str) -> AsyncGenerator[str, None]:
+        """Job ids the worker must abort: live from its control channel, and every ``poll_interval_s`` again
+        from its durable cancel set (so a message missed during a reconnect is not lost). An id may repeat
+        until the worker finalises the job."""
+        async def pending() -> list[str]:
+            return [as_text(job_id) for job_id in await self._redis.smembers(keys.worker_cancels(worker_id))]
+
+        return listen(self._redis, keys.control(worker_id), pending, f"control channel of {worker_id}", self._poll_s)
+
+    def wakeups(self, model: str) -> AsyncGenerator[str, None]:
+        """A job id each time one enters the model's queue (submitted or requeued), from its wake channel; an
+        empty string after every (re)connect and every quiet ``poll_interval_s``, when one may have been missed.
+        Many idle workers may wake for one job: they race to claim it and the losers find nothing."""
+        async def maybe_missed() -> list[str]:
+            return [""]
+
+        return listen(self._redis, keys.queue_wake(model), maybe_missed, f"wake channel of {model}", self._poll_s)
+
+    async def reap(self) -> list[RecoveredJob]:
+        """Recover jobs whose lease expired (a crash, docs/protocol.md): requeued, or failed and dead-lettered,
+        or cancelled; tells which jobs went where (for metrics) and logs one line per job."""
+        recovered: list[RecoveredJob] = []
+        while True:
+            reply = await self._scripts.reap(keys=[keys.INFLIGHT, keys.DEAD_LETTER, keys.WORKERS],
+                                             args=[self._ctx, REAP_BATCH])
+            for raw_id, model, worker_id, status in reply[1:]:
+                job = RecoveredJob(as_text(raw_id), as_text(model), as_text(worker_id) or None, as_text(status))
+                log.warning("job %s: lease of worker %s expired; job %s", job.job_id, job.worker_id, job.status,
+                            extra=job_fields(RECOVERIES[job.status].by_reaper, job.job_id, job.model, job.worker_id))
+                recovered.append(job)
+            if int(reply[0]) < REAP_BATCH:
+                return recovered
