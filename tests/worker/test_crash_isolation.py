@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.config import Settings
+from shared.launcher.redis_server import RedisServer
 from shared.queue import JobQueue
 from shared.schemas import GenerationParams, JobStatus, JobSubmission
 from tests.queue.queue_helpers import dead_letters
@@ -35,7 +37,18 @@ async def _all_final(queue: JobQueue, jobs: list[JobSubmission]) -> bool:
     return all(r is not None and r.status.is_terminal for r in records)
 
 
-async def test_a_poison_job_is_dead_lettered_alone(redis_url: str, tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.fixture()
+def private_redis_url(tmp_path: Path) -> Iterator[str]:
+    """A Redis of this test's own: the session's is shared with long-lived API processes of other test modules,
+    whose reapers would recover the crashed worker's jobs under their own ``max_attempts``."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server.url
+    server.stop()
+
+
+async def test_a_poison_job_is_dead_lettered_alone(private_redis_url: str, tiny_llama: Path, tmp_path: Path) -> None:
+    redis_url = private_redis_url
     settings = {"max_attempts": 1, "max_num_seqs": 8}
     redis = Redis.from_url(redis_url)
     queue = JobQueue(redis, Settings(redis_url=redis_url, **settings))
