@@ -65,8 +65,8 @@ class Settings(BaseSettings):
     draft_model: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     speculative_max_batch: int = Field(8, ge=1, description="speculate only while at most this many requests run")
-    quantization: str | None = Field(None, description="int8 | int4 = weight-only int8 / int4 (groups of 32, "
-                                     "GGUF Q4_1's layout) weights with bf16 activations, CPU | unset")
+    quantization: str | None = Field("auto", description="auto (int4 where the weights came from 4-bit GGUF blocks "
+                                     "and the CPU runs bf16) | none | int8 | int4 (weight-only, bf16 activations)")
     num_threads: int | None = Field(None, ge=1, description="torch threads; unset = the cores this process may use")
     worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
     drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")

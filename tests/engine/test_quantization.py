@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.attention import PagedContext
 from worker.engine.decoder import Decoder
-from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, quantize_int4
+from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, lies_on_int4_grid, quantize_int4
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledChunk
 
@@ -40,8 +40,9 @@ def test_int4_finds_the_q4_1_blocks_of_smollm2_again(smollm2: Path) -> None:
         grouped = codes.view(weight.shape[0], -1, 32).float() * scales[..., None] + low[..., None]
         return float((grouped.view_as(weight) - weight).abs().max() / weight.abs().max())
 
-    assert all(relative_error(weight) < 1e-6 for weight in tensors)
-    assert relative_error(torch.randn(64, 128) * 0.02) > 1e-3
+    assert all(relative_error(weight) < 1e-6 and lies_on_int4_grid(weight) for weight in tensors)
+    noise = torch.randn(64, 128) * 0.02
+    assert relative_error(noise) > 1e-3 and not lies_on_int4_grid(noise)
     packed = PackedLinear(tensors[0], None, torch.bfloat16, "int4")
     assert float((packed.weight.float() - tensors[0]).abs().max() / tensors[0].abs().max()) < 2 ** -7
 
@@ -111,3 +112,32 @@ def test_quantization_needs_bfloat16_and_a_supported_model(tiny_llama: Path) -> 
         Engine(EngineConfig(model=str(tiny_llama), quantization="int8", dtype="float32", num_kv_blocks=32))
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int3")
+
+
+def snap_to_q4_1(folder: Path, out: Path) -> Path:
+    """Save a copy of the model at ``folder`` with every Linear weight replaced by its int4-g32 (Q4_1) rounding."""
+    from transformers import AutoTokenizer as Tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0:
+                codes, scales, low = quantize_int4(module.weight)
+                grid = codes.view(module.out_features, -1, 32).float() * scales[..., None] + low[..., None]
+                module.weight.copy_(grid.view_as(module.weight))
+    model.save_pretrained(out)
+    Tokenizer.from_pretrained(folder).save_pretrained(out)
+    return out
+
+
+def test_auto_quantization_takes_int4_only_for_weights_on_the_q4_1_grid(
+        tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    snapped = snap_to_q4_1(tiny_llama, tmp_path_factory.mktemp("tiny-q4-1"))
+    cases = [(tiny_llama, "bfloat16", None), (snapped, "bfloat16", "int4"), (snapped, "float32", "reference")]
+    for folder, dtype, expected in cases:
+        engine = Engine(EngineConfig(model=str(folder), dtype=dtype, quantization="auto", num_kv_blocks=32))
+        decoder = engine.runner.decoder
+        got = "reference" if decoder is None else decoder.layers[0].qkv.quantization
+        assert got == expected, (folder, dtype)
+    plain = Engine(EngineConfig(model=str(snapped), dtype="bfloat16", quantization="none", num_kv_blocks=32))
+    assert plain.runner.decoder is not None and plain.runner.decoder.layers[0].qkv.quantization is None

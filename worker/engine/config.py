@@ -17,7 +17,7 @@ CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a m
 CUDA_FREE_FRACTION = 0.9  # of the memory still free after the weights are loaded
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE_METHODS = (None, "ngram", "draft")
-QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATIONS = (None, "none", "auto", "int8", "int4")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make bf16 matmuls fast: AMX tiles, AVX-512 BF16.
 FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
@@ -45,10 +45,12 @@ class EngineConfig:
     ``num_threads``: torch intra-op threads, set (process-wide) when the engine is built; None leaves torch's
     setting alone (its default is the physical cores). Use at most the cores this process really has to itself:
     oversubscribed cores make torch's threads spin at barriers (docs/performance.md).
-    ``quantization``: None, ``"int8"`` or ``"int4"``: weight-only quantised Linear weights (int8 per output row;
-    int4 in groups of 32 with an offset, GGUF Q4_1's layout) multiplied with bf16 activations for batches of a
-    few rows, where a step reads weights; larger batches use the same weights de-quantised to bf16 (``linear.py``).
-    CPU and bfloat16 only.
+    ``quantization``: None or ``"none"`` (the model's weights in ``dtype``), ``"int8"`` or ``"int4"``: weight-only
+    quantised Linear weights (int8 per output row; int4 in groups of 32 with an offset, GGUF Q4_1's layout)
+    multiplied with bf16 activations for batches of a few rows, where a step reads weights; larger batches use the
+    same weights de-quantised to bf16 (``linear.py``); CPU and bfloat16 only. ``"auto"``: int4 where that loses
+    nothing, i.e. on a CPU running bf16 when the weights were de-quantised from 4-bit GGUF blocks (the built-in
+    SmolLM2 is Q4_1), else none.
     ``speculative_method``: None, ``"ngram"`` (prompt lookup) or ``"draft"`` (``draft_model``, a model sharing the
     target's tokenizer); each decoding request proposes up to ``num_speculative_tokens`` tokens per step, but only
     while at most ``speculative_max_batch`` requests run (above that verification costs more than it saves; see
@@ -99,7 +101,8 @@ class EngineConfig:
         _check(1 <= self.ngram_min <= self.ngram_max, "ngram_min", f"in [1, ngram_max={self.ngram_max}]",
                self.ngram_min)
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1", self.num_threads)
-        _check(self.quantization in QUANTIZATIONS, "quantization", "None, 'int8' or 'int4'", self.quantization)
+        _check(self.quantization in QUANTIZATIONS, "quantization", "None, 'none', 'auto', 'int8' or 'int4'",
+               self.quantization)
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str]
     with quantisation (its kernels take bf16 activations), float32 on other CPUs (their bf16 matmuls are slow)."""
     if config.dtype is not None:
         return DTYPES[config.dtype]
-    if device.type == "cuda" or config.quantization is not None:
+    if device.type == "cuda" or config.quantization in ("int8", "int4"):
         return torch.bfloat16
     return torch.bfloat16 if FAST_BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags) else torch.float32
 

@@ -49,6 +49,17 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
     return codes.view(rows, cols), scales, low
 
 
+def lies_on_int4_grid(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:
+    """Whether int4 groups of ``group_size`` reproduce ``weight`` exactly (to float32 rounding): true of weights
+    de-quantised from GGUF Q4_1 blocks, false of trained float weights."""
+    if weight.shape[-1] % group_size:
+        return False
+    codes, scales, low = quantize_int4(weight, group_size)
+    grouped = codes.view(weight.shape[0], -1, group_size).float() * scales[..., None] + low[..., None]
+    error = (grouped.view_as(weight) - weight.float()).abs().max()
+    return bool(error <= 1e-5 * weight.abs().max())
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` dense in ``dtype``, and optionally weight-only quantised for few rows."""
 

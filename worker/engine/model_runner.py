@@ -26,6 +26,7 @@ from worker.engine.decode_attention import prepare_decode_batch
 from worker.engine.decoder import Decoder, unsupported_reason
 from worker.engine.host_memory import keep_freed_memory_for_reuse
 from worker.engine.kv_cache import KVCache, prepare_slot_mapping
+from worker.engine.linear import lies_on_int4_grid
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,27 @@ def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn_name)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() via a decorator
     reason = unsupported_reason(model)
-    if config.quantization is not None:
+    quantization = resolve_quantization(config.quantization, model, device, dtype)
+    if quantization is not None:
         if device.type != "cpu" or dtype != torch.bfloat16 or reason is not None:
-            raise ValueError(f"EngineConfig.quantization {config.quantization!r} needs device cpu, dtype bfloat16 "
-                             f"and a Llama-family model, got {device.type}, {dtype} and {reason or 'a supported'}")
+            raise ValueError(f"EngineConfig.quantization {quantization!r} needs device cpu, dtype bfloat16 and a "
+                             f"Llama-family model, got {device.type}, {dtype} and {reason or 'a supported'}")
     elif dtype == torch.float32 or reason is not None:
         return model.to(dtype), None
-    decoder = Decoder(model, dtype, config.quantization)
+    log.info("engine decoder: dtype=%s quantization=%s", dtype, quantization)
+    decoder = Decoder(model, dtype, quantization)
     return decoder, decoder
+
+
+def resolve_quantization(requested: str | None, model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+                         ) -> str | None:
+    """``"auto"``: int4 when it reproduces the weights (de-quantised from 4-bit GGUF blocks) on a bf16 CPU run."""
+    if requested != "auto":
+        return None if requested == "none" else requested
+    if device.type != "cpu" or dtype != torch.bfloat16 or unsupported_reason(model) is not None:
+        return None
+    first = model.model.layers[0]  # type: ignore[union-attr, index]  # a Llama-family model (checked above)
+    return "int4" if all(lies_on_int4_grid(w.weight) for w in (first.self_attn.q_proj, first.mlp.down_proj)) else None
 
 
 class ModelRunner:
