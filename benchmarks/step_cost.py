@@ -23,6 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = {
+    "default": {"quantization": "auto"},  # what a worker runs unconfigured (the worker's settings default to auto)
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
@@ -59,7 +60,7 @@ def many_streams(engine, sampling_params, reqs) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default="fp32,bf16,int8,int4")
+    parser.add_argument("--systems", default="default,fp32,bf16,int8,int4")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--checkout", type=Path, default=HERE.parent, help="the repository whose engine to run")
