@@ -163,7 +163,9 @@ def _attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache:
     q = rows.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bg, kvh, g, D]
     keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
     # A transposed view, not a copy: the fused CPU kernel reads strided K/V faster than a contiguous copy costs.
-    keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)  # [Bg, kvh, S, D]
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [Bg, kvh, S, D]
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     if group.shared_block_ids is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.key_mask, scale=scale)
     else:

@@ -66,14 +66,16 @@ class DecoderLayer(nn.Module):
         self.gate_up = PackedLinear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), None,
                                     dtype, quantization)
         self.down = PackedLinear(mlp.down_proj.weight, None, dtype, quantization)
-        self.input_norm = layer.input_layernorm.weight.detach().to(dtype)
-        self.post_attention_norm = layer.post_attention_layernorm.weight.detach().to(dtype)
+        # Norm weights stay float32: the scale is applied before rounding to the compute dtype (one op less than
+        # transformers' round-then-scale, and at most one rounding apart from it).
+        self.input_norm = layer.input_layernorm.weight.detach().float()
+        self.post_attention_norm = layer.post_attention_layernorm.weight.detach().float()
         self.scale = float(attn.scaling)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm: normalise in float32, round to the input dtype, then scale."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+    """Llama's RMSNorm, in float32 (``weight`` is float32), rounded once to the input dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
 
 
 class Decoder(nn.Module):
@@ -94,7 +96,7 @@ class Decoder(nn.Module):
         self.embed = inner.embed_tokens.weight.detach().to(dtype)  # [V, hidden]
         self.rotary = inner.rotary_emb
         self.layers = nn.ModuleList(DecoderLayer(layer, dtype, quantization) for layer in inner.layers)
-        self.final_norm = inner.norm.weight.detach().to(dtype)
+        self.final_norm = inner.norm.weight.detach().float()
         # The LM head takes int8 under either quantisation: GGUF files keep it at 8 bits (SmolLM2's is Q8_0), and
         # int4 there costs far more quality than anywhere else in the model.
         head_quantization = None if quantization is None else "int8"
