@@ -57,3 +57,16 @@ def test_unsupported_architecture_in_bfloat16_falls_back_to_transformers(
     assert len(outs[0].token_ids) == 4
     with pytest.raises(ValueError, match="gpt2"):
         Engine(EngineConfig(model=str(folder), quantization="int8", num_kv_blocks=32))
+
+
+def test_decoder_verifies_speculative_tokens(tiny_llama: Path) -> None:
+    """Prompt-lookup speculation sends multi-token chunks that need logits at every speculative position; in
+    bf16 greedy output with speculation equals output without (the same decoder scores both)."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    outputs = []
+    for method in (None, "ngram"):
+        engine = Engine(EngineConfig(model=str(tiny_llama), dtype="bfloat16", num_kv_blocks=32,
+                                     speculative_method=method))
+        outputs.append(engine.generate([prompt], params)[0].token_ids)
+    assert len(outputs[0]) == 12 and outputs[0] == outputs[1]
