@@ -114,7 +114,7 @@ def test_engine_with_a_shared_system_prompt_matches_generate(tiny_model: Path) -
     expected = [reference_greedy(reference, p, sp) for p, sp in zip(prompts, params, strict=True)]
     for cascade in (True, False):
         engine = Engine(EngineConfig(model=str(tiny_model), block_size=8, num_kv_blocks=64, max_num_seqs=8,
-                                     cascade_attention=cascade))
+                                     dtype="float32", cascade_attention=cascade))
         engine.add_request("warm", prompts[0], params[0])  # caches the system prompt's blocks first
         run = Run()
         run.record(engine.step())

@@ -14,7 +14,7 @@ PROMPT = [5, 17, 301, 4000, 12, 99, 7, 250]
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_llama), block_size=8, num_kv_blocks=64, max_num_seqs=8,
+    return Engine(EngineConfig(dtype="float32", model=str(tiny_llama), block_size=8, num_kv_blocks=64, max_num_seqs=8,
                                max_num_batched_tokens=64))
 
 
@@ -91,7 +91,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine: Engine, t
     assert len(set(alone)) > 1
     # Same request in a crowd, in an engine so small that it gets preempted and recomputed.
     crowded = Engine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=12, max_num_seqs=4,
-                                  max_num_batched_tokens=16))
+                                  dtype="float32", max_num_batched_tokens=16))
     for i in range(5):
         crowded.add_request(f"other{i}", [9 + i] * 10, SamplingParams(temperature=1.0, max_tokens=15,
                                                                         ignore_eos=True))
@@ -124,7 +124,8 @@ def test_generate_text_prompts(engine: Engine) -> None:
 
 
 def test_output_is_clipped_to_max_model_len(tiny_llama: Path) -> None:
-    small = Engine(EngineConfig(model=str(tiny_llama), block_size=8, num_kv_blocks=16, max_model_len=32))
+    small = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=16,
+                                max_model_len=32))
     assert small.max_model_len == 32
     small.add_request("clip", list(range(3, 33)), greedy(10))  # 30 prompt tokens: room for 2 outputs
     run = drain(small)
@@ -132,12 +133,13 @@ def test_output_is_clipped_to_max_model_len(tiny_llama: Path) -> None:
 
 
 def test_pool_caps_max_model_len(tiny_llama: Path) -> None:
-    small = Engine(EngineConfig(model=str(tiny_llama), block_size=8, num_kv_blocks=5))
+    small = Engine(EngineConfig(dtype="float32", model=str(tiny_llama), block_size=8, num_kv_blocks=5))
     assert small.max_model_len == 40  # a request alone always fits, so preemption always makes progress
 
 
 def test_free_seats_counts_seats(tiny_llama: Path) -> None:
-    small = Engine(EngineConfig(model=str(tiny_llama), block_size=8, num_kv_blocks=16, max_num_seqs=2))
+    small = Engine(EngineConfig(dtype="float32", model=str(tiny_llama), block_size=8, num_kv_blocks=16,
+                                max_num_seqs=2))
     assert small.free_seats() == 2
     small.add_request("a", PROMPT, greedy(2))
     assert small.free_seats() == 1
@@ -148,7 +150,7 @@ def test_free_seats_counts_seats(tiny_llama: Path) -> None:
 
 
 def test_prefix_caching_reuses_blocks_with_identical_output(tiny_llama: Path, engine: Engine) -> None:
-    cached = Engine(EngineConfig(model=str(tiny_llama), block_size=8, num_kv_blocks=64,
+    cached = Engine(EngineConfig(dtype="float32", model=str(tiny_llama), block_size=8, num_kv_blocks=64,
                                  enable_prefix_caching=True))
     shared = list(range(100, 140))  # 5 full blocks
     prompts = [shared + [7, 8, 9], shared + [10, 11], shared]

@@ -13,7 +13,7 @@ from worker.engine import Engine, EngineConfig, SamplingParams
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_every_block_is_free_after_1000_requests(tiny_llama: Path, prefix_caching: bool) -> None:
     engine = Engine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=32, max_num_seqs=32,
-                                 max_num_batched_tokens=128, enable_prefix_caching=prefix_caching))
+                                 dtype="float32", max_num_batched_tokens=128, enable_prefix_caching=prefix_caching))
     rng = random.Random(7)
     shared_prefixes = [[rng.randrange(3, 49152) for _ in range(12)] for _ in range(4)]
     live: set[str] = set()

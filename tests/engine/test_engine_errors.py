@@ -14,7 +14,8 @@ GOOD = SamplingParams(temperature=0.0, max_tokens=3)
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_llama), block_size=8, num_kv_blocks=16, max_model_len=64))
+    return Engine(EngineConfig(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=16,
+                               max_model_len=64))
 
 
 @pytest.mark.parametrize(("request_id", "prompt", "params", "priority", "message"), [
@@ -76,7 +77,7 @@ def test_bad_engine_config(field: str, kwargs: dict[str, object]) -> None:
 
 def test_max_model_len_beyond_the_model_is_refused(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="EngineConfig.max_model_len must be <= the model's 1024 positions"):
-        Engine(EngineConfig(model=str(tiny_llama), max_model_len=4096))
+        Engine(EngineConfig(dtype="float32", model=str(tiny_llama), max_model_len=4096))
 
 
 def test_generate_rejects_all_or_nothing(engine: Engine) -> None:

@@ -34,7 +34,7 @@ def check_parity(model_path: Path, config: EngineConfig, workload: list, min_pre
 
 def test_tiny_models_match_generate(tiny_model: Path) -> None:
     workload = mixed_workload(seed=3, num_requests=32, max_prompt=500, max_output=40, vocab=49152)
-    config = EngineConfig(model=str(tiny_model), block_size=16, num_kv_blocks=48, max_num_seqs=8,
+    config = EngineConfig(dtype="float32", model=str(tiny_model), block_size=16, num_kv_blocks=48, max_num_seqs=8,
                           max_num_batched_tokens=96)
     check_parity(tiny_model, config, workload)
 
@@ -43,6 +43,6 @@ def test_tiny_models_match_generate(tiny_model: Path) -> None:
 def test_smollm2_matches_generate(smollm2: Path) -> None:
     engine_vocab = 49152
     workload = mixed_workload(seed=5, num_requests=24, max_prompt=120, max_output=12, vocab=engine_vocab)
-    config = EngineConfig(model=str(smollm2), block_size=8, num_kv_blocks=48, max_num_seqs=12,
+    config = EngineConfig(dtype="float32", model=str(smollm2), block_size=8, num_kv_blocks=48, max_num_seqs=12,
                           max_num_batched_tokens=64)
     check_parity(smollm2, config, workload)

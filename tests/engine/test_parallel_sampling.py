@@ -14,7 +14,7 @@ PROMPT = [5 + 7 * i for i in range(10)]  # 10 tokens: with block_size 4, blocks 
 
 
 def make_engine(model: Path, **overrides: object) -> Engine:
-    settings: dict = dict(model=str(model), block_size=4, num_kv_blocks=40, max_num_seqs=8,
+    settings: dict = dict(dtype="float32", model=str(model), block_size=4, num_kv_blocks=40, max_num_seqs=8,
                           max_num_batched_tokens=64)
     return Engine(EngineConfig(**(settings | overrides)))
 

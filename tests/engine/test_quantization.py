@@ -1,4 +1,5 @@
-"""int8 weights: quality against float32 on real text (SmolLM2), and the engine serving with them."""
+"""Weight-only int8/int4: the shipped Q4_1 weights reproduced, kernels agreeing with the dense form, quality on
+real text (SmolLM2) against float32, and the engine serving with them."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from worker.engine import Engine, EngineConfig, SamplingParams
-from worker.engine.quantization import Int8Linear, quantize_linears_int8
+from worker.engine.attention import PagedContext
+from worker.engine.decoder import Decoder
+from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, lies_on_int4_grid, quantize_int4
+from worker.engine.model_runner import ModelRunner
+from worker.engine.scheduler import ScheduledChunk
 
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower, museums such as the Louvre, and its cafes.",
@@ -22,46 +28,116 @@ TEXTS = [
 ]
 
 
-def test_int8_linear_is_close_to_float() -> None:
-    linear = torch.nn.Linear(64, 96)
-    x = torch.randn(5, 7, 64)
+def test_int4_finds_the_q4_1_blocks_of_smollm2_again(smollm2: Path) -> None:
+    """SmolLM2's projections were de-quantised from Q4_1 (``d * q + m`` per block of 32): int4 in groups of 32
+    recovers codes, scales and minimums, so de-quantising again gives the same weights to float32 rounding, and the
+    kernel's bf16 scales stay within bf16 rounding of them. Random weights (no Q4_1 grid) are far off."""
+    with safe_open(str(smollm2 / "model.safetensors"), "pt") as weights:
+        names = ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight")
+        tensors = [weights.get_tensor(name).float() for name in names]
+    def relative_error(weight: torch.Tensor) -> float:
+        codes, scales, low = quantize_int4(weight)
+        grouped = codes.view(weight.shape[0], -1, 32).float() * scales[..., None] + low[..., None]
+        return float((grouped.view_as(weight) - weight).abs().max() / weight.abs().max())
+
+    assert all(relative_error(weight) < 1e-6 and lies_on_int4_grid(weight) for weight in tensors)
+    noise = torch.randn(64, 128) * 0.02
+    assert relative_error(noise) > 1e-3 and not lies_on_int4_grid(noise)
+    packed = PackedLinear(tensors[0], None, torch.bfloat16, "int4")
+    assert float((packed.weight.float() - tensors[0]).abs().max() / tensors[0].abs().max()) < 2 ** -7
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_kernel_and_dense_form_agree(quantization: str) -> None:
+    """Few rows go to the weight-only kernel, many to the dense de-quantised copy: the same function."""
+    torch.manual_seed(0)
+    linear = PackedLinear(torch.randn(96, 128) * 0.05, torch.randn(96) * 0.1, torch.bfloat16, quantization)
+    x = torch.randn(QUANTIZED_MAX_ROWS + 3, 128, dtype=torch.bfloat16)
     with torch.inference_mode():
-        expected, got = linear(x), Int8Linear(linear)(x)
-    assert got.shape == expected.shape
-    assert (got - expected).norm() / expected.norm() < 0.05
+        dense = linear(x)  # more rows than QUANTIZED_MAX_ROWS: the dense bf16 matmul
+        kernel = torch.cat([linear(row[None]) for row in x])  # one row at a time: the weight-only kernel
+    assert dense.shape == kernel.shape == (QUANTIZED_MAX_ROWS + 3, 96)
+    assert float((kernel.float() - dense.float()).norm() / dense.float().norm()) < 0.01
+
+
+def teacher_forced(decoder: Decoder, runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Logits at every position but the last of ``ids``, computed as one prefill chunk: [len(ids) - 1, V]."""
+    chunk = ScheduledChunk("r", tuple(ids), 0, tuple(range(16)), needs_logits=True)
+    input_ids, positions, metadata, _ = runner.prepare_inputs([chunk])
+    with torch.inference_mode():
+        logits = decoder(input_ids[0], positions[0], PagedContext(runner.kv_cache, metadata),
+                         torch.arange(len(ids) - 1))
+    return logits.float()
 
 
 @pytest.mark.slow
-def test_int8_smollm2_keeps_greedy_choices_and_perplexity(smollm2: Path) -> None:
-    """Teacher-forced over natural text: the int8 model's top-1 token agrees with float32's at >= 75% of positions
-    and its perplexity is at most 1.4x float32's (measured: 81%, 6.9 -> 8.6; all-int8 gave 52%, 6.9 -> 21)."""
+def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Path) -> None:
+    """Teacher-forced over natural text against the float32 model: top-1 agreement >= 97% and perplexity within
+    3% (measured: bf16 99.3%, int8 99.3%, int4 98.5%; perplexity 6.90 -> 6.97 / 6.90 / 6.95. The old dynamic int8
+    option measured 81% and 8.6). Prefill rows run the dense de-quantised weights, so this checks the weights;
+    the kernels' agreement with them is the test above."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    reference = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    quantized = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    assert quantize_linears_int8(quantized) == 30 * 6 + 1  # q, k, v, o, gate, up per layer, and the LM head
-    agree = total = 0
-    nll_ref = nll_q = 0.0
+    source = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    runner = ModelRunner(EngineConfig(model=str(smollm2), dtype="bfloat16", block_size=16, num_kv_blocks=16,
+                                      device="cpu"), smollm2)
+    texts = [tokenizer.encode(text) for text in TEXTS]
     with torch.inference_mode():
-        for text in TEXTS:
-            ids = torch.tensor([tokenizer.encode(text)])
-            ref_logits, q_logits = reference(ids).logits[0, :-1], quantized(ids).logits[0, :-1]
-            targets = ids[0, 1:]
-            agree += int((ref_logits.argmax(-1) == q_logits.argmax(-1)).sum())
-            total += len(targets)
-            nll_ref += float(torch.nn.functional.cross_entropy(ref_logits, targets, reduction="sum"))
-            nll_q += float(torch.nn.functional.cross_entropy(q_logits, targets, reduction="sum"))
-    assert agree / total >= 0.75
-    assert math.exp(nll_q / total) <= 1.4 * math.exp(nll_ref / total)
+        references = [source(torch.tensor([ids])).logits[0, :-1] for ids in texts]
+    nll_ref = sum(float(torch.nn.functional.cross_entropy(r, torch.tensor(ids[1:]), reduction="sum"))
+                  for r, ids in zip(references, texts, strict=True))
+    total = sum(len(ids) - 1 for ids in texts)
+    for quantization in (None, "int8", "int4"):
+        decoder = Decoder(source, torch.bfloat16, quantization)
+        agree, nll = 0, 0.0
+        for ids, reference in zip(texts, references, strict=True):
+            logits = teacher_forced(decoder, runner, ids)
+            agree += int((logits.argmax(-1) == reference.argmax(-1)).sum())
+            nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
+        assert agree / total >= 0.97, quantization
+        assert math.exp(nll / total) <= 1.03 * math.exp(nll_ref / total), quantization
 
 
-def test_engine_serves_int8(tiny_llama: Path) -> None:
-    engine = Engine(EngineConfig(model=str(tiny_llama), quantization="int8", num_kv_blocks=32))
-    assert any(isinstance(m, Int8Linear) for m in engine.runner.model.modules())
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_serves_quantized_weights(tiny_llama: Path, quantization: str) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_llama), quantization=quantization, num_kv_blocks=32))
+    assert engine.runner.plan.dtype == torch.bfloat16  # quantisation picks bf16 activations
+    assert any(isinstance(m, PackedLinear) and m.quantization == quantization for m in engine.runner.model.modules())
     outs = engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [6, 6]
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
-def test_unknown_quantization_is_refused() -> None:
+def test_quantization_needs_bfloat16_and_a_supported_model(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="quantization 'int8' needs device cpu, dtype bfloat16"):
+        Engine(EngineConfig(model=str(tiny_llama), quantization="int8", dtype="float32", num_kv_blocks=32))
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="int3")
+
+
+def snap_to_q4_1(folder: Path, out: Path) -> Path:
+    """Save a copy of the model at ``folder`` with every Linear weight replaced by its int4-g32 (Q4_1) rounding."""
+    from transformers import AutoTokenizer as Tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0:
+                codes, scales, low = quantize_int4(module.weight)
+                grid = codes.view(module.out_features, -1, 32).float() * scales[..., None] + low[..., None]
+                module.weight.copy_(grid.view_as(module.weight))
+    model.save_pretrained(out)
+    Tokenizer.from_pretrained(folder).save_pretrained(out)
+    return out
+
+
+def test_auto_quantization_takes_int4_only_for_weights_on_the_q4_1_grid(
+        tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    snapped = snap_to_q4_1(tiny_llama, tmp_path_factory.mktemp("tiny-q4-1"))
+    cases = [(tiny_llama, "bfloat16", None), (snapped, "bfloat16", "int4"), (snapped, "float32", "reference")]
+    for folder, dtype, expected in cases:
+        engine = Engine(EngineConfig(model=str(folder), dtype=dtype, quantization="auto", num_kv_blocks=32))
+        decoder = engine.runner.decoder
+        got = "reference" if decoder is None else decoder.layers[0].qkv.quantization
+        assert got == expected, (folder, dtype)
+    plain = Engine(EngineConfig(model=str(snapped), dtype="bfloat16", quantization="none", num_kv_blocks=32))
+    assert plain.runner.decoder is not None and plain.runner.decoder.layers[0].qkv.quantization is None

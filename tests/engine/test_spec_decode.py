@@ -46,7 +46,7 @@ class OracleProposer:
 
 def make_engine(model: Path, **overrides: object) -> Engine:
     config = dict(model=str(model), block_size=16, num_kv_blocks=48, max_num_seqs=8, max_num_batched_tokens=96,
-                  speculative_max_batch=64)
+                  dtype="float32", speculative_max_batch=64)
     config.update(overrides)
     return Engine(EngineConfig(**config))  # type: ignore[arg-type]
 
@@ -196,7 +196,7 @@ def test_policy_switches_speculation_off_above_the_batch_threshold(tiny_llama: P
 @pytest.mark.slow
 def test_smollm2_greedy_ngram_is_identical(smollm2: Path) -> None:
     """The real model copies from its prompt, so n-gram proposals are often right; output must not change."""
-    plain = Engine(EngineConfig(model=str(smollm2), block_size=8, num_kv_blocks=160, max_num_seqs=4,
+    plain = Engine(EngineConfig(dtype="float32", model=str(smollm2), block_size=8, num_kv_blocks=160, max_num_seqs=4,
                                 max_num_batched_tokens=128))
     tokenizer = plain.tokenizer
     texts = ["Repeat exactly: the quick brown fox jumps over the lazy dog, then the lazy dog sleeps.",
@@ -212,7 +212,7 @@ def test_smollm2_greedy_ngram_is_identical(smollm2: Path) -> None:
     workload = [(p, SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 28)), 0) for p in prompts]
     expected = run_workload(plain, workload)
     del plain
-    engine = Engine(EngineConfig(model=str(smollm2), block_size=8, num_kv_blocks=160, max_num_seqs=4,
+    engine = Engine(EngineConfig(dtype="float32", model=str(smollm2), block_size=8, num_kv_blocks=160, max_num_seqs=4,
                                  max_num_batched_tokens=128, speculative_method="ngram"))
     run = run_workload(engine, workload)
     assert run.token_ids == expected.token_ids and run.text == expected.text

@@ -68,7 +68,7 @@ def test_first_two_tokens_follow_the_target_distribution(tiny_small_vocab: Path,
                                                           exact_marginals: tuple[torch.Tensor, torch.Tensor]) -> None:
     draft = write_truncated_draft(tiny_small_vocab, tmp_path / "draft", 1) if method == "draft" else None
     engine = Engine(EngineConfig(model=str(tiny_small_vocab), block_size=4, num_kv_blocks=2048, max_num_seqs=256,
-                                 max_num_batched_tokens=4096, speculative_method=method,
+                                 dtype="float32", max_num_batched_tokens=4096, speculative_method=method,
                                  draft_model=str(draft) if draft else None, num_speculative_tokens=3,
                                  speculative_max_batch=256, enable_prefix_caching=True))
     num = 3000

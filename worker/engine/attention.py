@@ -80,6 +80,22 @@ def _attend_prefill(layer: int, query: torch.Tensor, chunk: PrefillChunk, ctx: P
     return out[0].transpose(0, 1)  # [n, H, D]
 
 
+def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: PagedContext,
+                    scale: float) -> torch.Tensor:
+    """Store this step's K/V of ``layer`` and attend. ``query``: [T, H, D]; ``key``/``value``: [T, kvh, D].
+
+    Returns [T, H, D]. Shared by the transformers entry point below and the engine's own decoder (``decoder.py``).
+    """
+    meta = ctx.metadata
+    ctx.kv_cache.write(layer, meta.slot_mapping, key, value)
+    out = torch.empty_like(query)
+    if meta.decode is not None:
+        attend_decode(layer, query, meta.decode, ctx.kv_cache, scale, out)
+    for chunk in meta.prefills:
+        out[chunk.token_start:chunk.token_end] = _attend_prefill(layer, query, chunk, ctx, scale)
+    return out
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, paged_context: PagedContext | None = None,
@@ -92,14 +108,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise RuntimeError(f"{PAGED_ATTENTION_NAME} attention needs paged_context=...; call it via the ModelRunner")
     layer = int(module.layer_idx)  # type: ignore[arg-type]  # set by every transformers attention module
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    meta = paged_context.metadata
-    paged_context.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q)
-    if meta.decode is not None:
-        attend_decode(layer, q, meta.decode, paged_context.kv_cache, scale, out)
-    for chunk in meta.prefills:
-        out[chunk.token_start:chunk.token_end] = _attend_prefill(layer, q, chunk, paged_context, scale)
+    out = paged_attention(layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                          paged_context, scale)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

@@ -17,7 +17,9 @@ CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a m
 CUDA_FREE_FRACTION = 0.9  # of the memory still free after the weights are loaded
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE_METHODS = (None, "ngram", "draft")
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "none", "auto", "int8", "int4")
+# CPU flags (Linux /proc/cpuinfo names) of the units that make bf16 matmuls fast: AMX tiles, AVX-512 BF16.
+FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -33,15 +35,22 @@ class EngineConfig:
     ``num_kv_blocks``: None sizes the KV pool from ``kv_cache_bytes`` (None: 1 GiB on CPU, 90% of free memory on
     CUDA), capped by what ``max_num_seqs`` full-length sequences could ever use.
     ``max_num_batched_tokens``: the token budget of one forward pass; longer prompts are prefilled in chunks.
-    ``device``/``dtype``: None picks cuda if available, else cpu; bfloat16 on CUDA, float32 on CPU.
+    ``device``/``dtype``: None picks cuda if available, else cpu; bfloat16 on CUDA and on CPUs with AMX or
+    AVX512-BF16 (and whenever ``quantization`` is set), float32 on other CPUs. ``dtype="float32"`` without
+    quantisation runs transformers' own forward (token-for-token equal to its ``generate``); every other setting
+    runs the engine's fused decoder (``decoder.py``) where the architecture allows.
     ``enable_prefix_caching``: reuse the K/V of full blocks whose token prefix was computed before (on by default).
     ``cascade_attention``: decode queries attend to the block-table prefix the whole batch shares (a system prompt
     found by prefix caching) once, in one matmul, instead of once per sequence (exact; docs/performance.md).
     ``num_threads``: torch intra-op threads, set (process-wide) when the engine is built; None leaves torch's
     setting alone (its default is the physical cores). Use at most the cores this process really has to itself:
     oversubscribed cores make torch's threads spin at barriers (docs/performance.md).
-    ``quantization``: None (the model's dtype) or ``"int8"``: the Linear layers' weights in int8, per output channel,
-    activations quantised dynamically (CPU only; a speed/quality trade measured in docs/performance.md).
+    ``quantization``: None or ``"none"`` (the model's weights in ``dtype``), ``"int8"`` or ``"int4"``: weight-only
+    quantised Linear weights (int8 per output row; int4 in groups of 32 with an offset, GGUF Q4_1's layout)
+    multiplied with bf16 activations for batches of a few rows, where a step reads weights; larger batches use the
+    same weights de-quantised to bf16 (``linear.py``); CPU and bfloat16 only. ``"auto"``: int4 where that loses
+    nothing, i.e. on a CPU running bf16 when the weights were de-quantised from 4-bit GGUF blocks (the built-in
+    SmolLM2 is Q4_1), else none.
     ``speculative_method``: None, ``"ngram"`` (prompt lookup) or ``"draft"`` (``draft_model``, a model sharing the
     target's tokenizer); each decoding request proposes up to ``num_speculative_tokens`` tokens per step, but only
     while at most ``speculative_max_batch`` requests run (above that verification costs more than it saves; see
@@ -92,7 +101,8 @@ class EngineConfig:
         _check(1 <= self.ngram_min <= self.ngram_max, "ngram_min", f"in [1, ngram_max={self.ngram_max}]",
                self.ngram_min)
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1", self.num_threads)
-        _check(self.quantization in QUANTIZATIONS, "quantization", "None or 'int8'", self.quantization)
+        _check(self.quantization in QUANTIZATIONS, "quantization", "None, 'none', 'auto', 'int8' or 'int4'",
+               self.quantization)
 
 
 @dataclass(frozen=True)
@@ -125,11 +135,26 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    """fp32 on CPU (exact parity with reference generation, and CPU bf16 matmuls are slow); bf16 on CUDA."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux names them (empty where /proc/cpuinfo is missing)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+    """The configured dtype; else bf16 on CUDA, on CPUs with fast bf16 units (``flags``: default this CPU's) and
+    with quantisation (its kernels take bf16 activations), float32 on other CPUs (their bf16 matmuls are slow)."""
     if config.dtype is not None:
         return DTYPES[config.dtype]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda" or config.quantization in ("int8", "int4"):
+        return torch.bfloat16
+    return torch.bfloat16 if FAST_BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags) else torch.float32
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:

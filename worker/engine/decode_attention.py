@@ -46,6 +46,9 @@ class DecodeGroup:
     shared_block_ids: torch.Tensor | None  # [P] blocks every table in the group starts with; None: plain group
     block_tables: torch.Tensor  # [Bg, max_blocks - P] each sequence's own blocks, right-padded
     key_mask: torch.Tensor  # [Bg, 1, 1, (max_blocks - P) * block_size] bool: true for real keys
+    # (start, end) when the queries are the step's tokens start..end-1 in order (a decode-only step of one group):
+    # then they are read and written as slices, without a gather and a scatter per layer.
+    token_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,11 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
         own_lens = torch.tensor([context_lens[r] - num_shared * block_size for r in rows], device=device)
         width = max(len(t) for t in own_tables) * block_size
         shared = torch.tensor(tables[rows[0]][:num_shared], dtype=torch.long, device=device) if num_shared else None
+        idx = [token_idx[r] for r in rows]
+        in_order = idx == list(range(idx[0], idx[0] + len(idx)))
         groups.append(DecodeGroup(
-            token_idx=torch.tensor([token_idx[r] for r in rows], dtype=torch.long, device=device),
+            token_idx=torch.tensor(idx, dtype=torch.long, device=device),
+            token_range=(idx[0], idx[0] + len(idx)) if in_order else None,
             shared_block_ids=shared,
             block_tables=prepare_block_tables(own_tables, device),
             key_mask=(torch.arange(width, device=device)[None, :] < own_lens[:, None])[:, None, None, :],
@@ -140,7 +146,10 @@ def attend_decode(layer: int, query: torch.Tensor, batch: DecodeBatch, kv_cache:
                   out: torch.Tensor) -> None:
     """Write the decode queries' attention into ``out``. ``query`` and ``out``: [T, H, D], the whole step."""
     for group in batch.groups:
-        out[group.token_idx] = _attend_group(layer, query, group, kv_cache, scale)
+        if group.token_range is not None:
+            out[group.token_range[0]:group.token_range[1]] = _attend_group(layer, query, group, kv_cache, scale)
+        else:
+            out[group.token_idx] = _attend_group(layer, query, group, kv_cache, scale)
 
 
 def _attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache: KVCache,
@@ -150,10 +159,13 @@ def _attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache:
     num_kv_heads = kv_cache.num_kv_heads
     # GQA without expanding K/V: the g query heads sharing a KV head act as that head's queries, grouped
     # consecutively as transformers' repeat_kv assumes.
-    q = query[group.token_idx].view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bg, kvh, g, D]
+    rows = query[group.token_idx] if group.token_range is None else query[group.token_range[0]:group.token_range[1]]
+    q = rows.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bg, kvh, g, D]
     keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
     # A transposed view, not a copy: the fused CPU kernel reads strided K/V faster than a contiguous copy costs.
-    keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)  # [Bg, kvh, S, D]
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [Bg, kvh, S, D]
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     if group.shared_block_ids is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.key_mask, scale=scale)
     else:

@@ -32,8 +32,10 @@ class KVCache:
         """Store new tokens' K/V. ``slot_mapping``: [T]; ``key``/``value``: [T, kv_heads, head_dim]."""
         k_flat = self.keys[layer].view(-1, *self.keys[layer].shape[2:])  # [num_blocks * block_size, kvh, hd]
         v_flat = self.values[layer].view(-1, *self.values[layer].shape[2:])
-        k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
-        v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
+        if key.dtype != k_flat.dtype:  # a no-op .to() still costs a dispatch, 60 times a step
+            key, value = key.to(k_flat.dtype), value.to(v_flat.dtype)
+        k_flat.index_copy_(0, slot_mapping, key)
+        v_flat.index_copy_(0, slot_mapping, value)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of whole block tables. ``block_tables``: [B, max_blocks] -> two [B, max_blocks * block_size, kvh, hd]."""

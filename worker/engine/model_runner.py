@@ -23,9 +23,10 @@ from worker.engine.attention import (
 )
 from worker.engine.config import EngineConfig, EnginePlan, ModelShape, make_plan, pick_device, pick_dtype
 from worker.engine.decode_attention import prepare_decode_batch
+from worker.engine.decoder import Decoder, unsupported_reason
 from worker.engine.host_memory import keep_freed_memory_for_reuse
 from worker.engine.kv_cache import KVCache, prepare_slot_mapping
-from worker.engine.quantization import quantize_linears_int8
+from worker.engine.linear import lies_on_int4_grid
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,41 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
     )
 
 
+def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: torch.dtype
+               ) -> tuple[torch.nn.Module, Decoder | None]:
+    """The model to run, and whether it is the engine's own ``Decoder`` (else transformers' forward runs).
+
+    float32 without quantisation keeps transformers' forward: token-for-token equal to its ``generate``. Every
+    other configuration runs the own decoder where the architecture allows (``decoder.unsupported_reason``).
+    """
+    attn_name = register_paged_attention()
+    # The decoder quantises from (and de-quantises back to) float32 weights, so it loads them in float32.
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn_name)
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() via a decorator
+    reason = unsupported_reason(model)
+    quantization = resolve_quantization(config.quantization, model, device, dtype)
+    if quantization is not None:
+        if device.type != "cpu" or dtype != torch.bfloat16 or reason is not None:
+            raise ValueError(f"EngineConfig.quantization {quantization!r} needs device cpu, dtype bfloat16 and a "
+                             f"Llama-family model, got {device.type}, {dtype} and {reason or 'a supported'}")
+    elif dtype == torch.float32 or reason is not None:
+        return model.to(dtype), None
+    log.info("engine decoder: dtype=%s quantization=%s", dtype, quantization)
+    decoder = Decoder(model, dtype, quantization)
+    return decoder, decoder
+
+
+def resolve_quantization(requested: str | None, model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+                         ) -> str | None:
+    """``"auto"``: int4 when it reproduces the weights (de-quantised from 4-bit GGUF blocks) on a bf16 CPU run."""
+    if requested != "auto":
+        return None if requested == "none" else requested
+    if device.type != "cpu" or dtype != torch.bfloat16 or unsupported_reason(model) is not None:
+        return None
+    first = model.model.layers[0]  # type: ignore[union-attr, index]  # a Llama-family model (checked above)
+    return "int4" if all(lies_on_int4_grid(w.weight) for w in (first.self_attn.q_proj, first.mlp.down_proj)) else None
+
+
 class ModelRunner:
     """The model, its KV cache and the tensor plumbing of one forward pass."""
 
@@ -55,15 +91,7 @@ class ModelRunner:
         dtype = pick_dtype(config, device)
         if device.type == "cpu":
             keep_freed_memory_for_reuse()  # process-wide, like the thread count: step temporaries stay mapped
-        attn_name = register_paged_attention()
-        self.model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=attn_name)
-        self.model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() via a decorator
-        if config.quantization == "int8":
-            if device.type != "cpu" or dtype != torch.float32:
-                raise ValueError(f"EngineConfig.quantization 'int8' needs device cpu and dtype float32, got "
-                                 f"{device.type} and {dtype}")
-            quantize_linears_int8(self.model)
+        self.model, self.decoder = load_model(config, folder, device, dtype)
         self.shape = model_shape(self.model.config)
         self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
         self.kv_cache = KVCache(self.shape, self.plan)
@@ -80,6 +108,9 @@ class ModelRunner:
         """Run the step; returns float32 logits ``[num_chunks_needing_logits, vocab]`` in chunk order."""
         self.kv_cache.copy_blocks(output.block_copies)  # copy-on-write, before this step writes into the copies
         input_ids, position_ids, metadata, logits_indices = self.prepare_inputs(output.chunks)
+        if self.decoder is not None:
+            context = PagedContext(self.kv_cache, metadata)
+            return self.decoder(input_ids[0], position_ids[0], context, logits_indices).float()  # [num_sampled, V]
         result = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             logits_to_keep=logits_indices,
                             paged_context=PagedContext(self.kv_cache, metadata))

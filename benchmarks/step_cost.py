@@ -1,0 +1,131 @@
+"""Step cost: one stream and 32 streams through the engine, for several dtype/quantisation settings.
+
+    .venv/bin/python benchmarks/step_cost.py [--systems fp32,bf16,int8,int4] [--rounds 2] [--checkout PATH]
+
+- one stream: a 64-token prompt, 128 new tokens, greedy (ignore EOS); tok/s counts the new tokens over the whole
+  request (prefill included), as a client sees it;
+- 32 streams: the first 32 requests of offline_throughput.py's mixed workload (16-256 prompt tokens, 8-256 new
+  tokens), all submitted at once; output tok/s.
+Systems run interleaved, round after round, so that load from other jobs on a shared machine hits them alike.
+``--steps N`` measures instead the steady decode step itself, at batch 1 and at batch 32 (64-token prompts),
+alternating single steps between the systems N times: the median ms/step of each is immune to load drifting
+between whole runs (on a shared machine whole runs of the same system differed by 2-3x).
+``--checkout`` imports the engine from another checkout (e.g. the main branch) to measure "before" in a second
+process alternating with this one; ``int8`` there is the old dynamic-activation option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = {
+    "default": {"quantization": "auto"},  # what a worker runs unconfigured (the worker's settings default to auto)
+    "fp32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def one_stream(engine, sampling_params) -> float:
+    params = sampling_params(max_tokens=128, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    out = engine.generate([list(range(1000, 1064))], params)[0]
+    assert len(out.token_ids) == 128
+    return 128 / (time.perf_counter() - start)
+
+
+def many_streams(engine, sampling_params, reqs) -> float:
+    params = [sampling_params(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
+    start = time.perf_counter()
+    outs = engine.generate([r.prompt for r in reqs], params)
+    assert [len(o.token_ids) for o in outs] == [r.max_tokens for r in reqs]
+    return sum(r.max_tokens for r in reqs) / (time.perf_counter() - start)
+
+
+def interleaved_steps(engines: dict, sampling_params, batch: int, steps: int) -> dict[str, float]:
+    """Median seconds per decode step of each engine at ``batch`` running requests, steps alternating."""
+    params = sampling_params(max_tokens=2_000, temperature=0.0, ignore_eos=True)
+    for name, engine in engines.items():
+        for i in range(batch):
+            engine.add_request(f"{name}-{batch}-{i}", [1000 + i + j for j in range(64)], params)
+        for _ in range(3):  # the prefills, and one decode step to settle
+            engine.step()
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - start)
+    for name, engine in engines.items():
+        for i in range(batch):
+            engine.abort(f"{name}-{batch}-{i}")
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default="default,fp32,bf16,int8,int4")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--checkout", type=Path, default=HERE.parent, help="the repository whose engine to run")
+    parser.add_argument("--label", default="", help="a prefix for the system names in the output")
+    parser.add_argument("--steps", type=int, default=0, help="measure N interleaved decode steps instead")
+    args = parser.parse_args()
+    sys.path.insert(0, str(args.checkout.resolve()))
+    sys.path.insert(1, str(HERE))
+    from offline_throughput import make_workload  # noqa: E402  # after the path is set
+
+    from worker.engine import Engine, EngineConfig, SamplingParams
+    from worker.models import resolve_model
+
+    path = str(resolve_model("smollm2"))
+    reqs = make_workload("mixed", 49152)[:32]
+    engines = {name: Engine(EngineConfig(model=path, num_threads=args.threads, max_num_seqs=32, num_kv_blocks=1100,
+                                         **SYSTEMS[name]))
+               for name in args.systems.split(",")}
+    for engine in engines.values():  # warm-up: first-call allocations and kernel selection
+        engine.generate([list(range(1000, 1016))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    if args.steps:
+        for batch in (1, 32):
+            medians = interleaved_steps(engines, SamplingParams, batch, args.steps)
+            for name, seconds in medians.items():
+                print(json.dumps({"system": args.label + name, "batch": batch, "ms_per_step": round(seconds * 1e3, 1),
+                                  "tok_s": round(batch / seconds, 1), "load": round(os.getloadavg()[0], 1),
+                                  "threads": args.threads, "cpu": cpu_name()}), flush=True)
+        return 0
+    results: dict[str, dict[str, list[float]]] = {n: {"one": [], "many": []} for n in engines}
+    for round_index in range(args.rounds):
+        for name, engine in engines.items():
+            one = one_stream(engine, SamplingParams)
+            many = many_streams(engine, SamplingParams, reqs)
+            results[name]["one"].append(one)
+            results[name]["many"].append(many)
+            print(json.dumps({"system": args.label + name, "round": round_index, "one_stream_tok_s": round(one, 1),
+                              "streams_32_tok_s": round(many, 1), "load": round(os.getloadavg()[0], 1),
+                              "checkout": str(args.checkout), "threads": args.threads, "cpu": cpu_name()}),
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

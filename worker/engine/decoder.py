@@ -1,0 +1,135 @@
+"""The engine's own forward pass for Llama-family models: fewer, larger ops per step.
+
+With one request a decode step is dispatch-bound: transformers' Llama forward costs ~1,600 small aten ops per
+step (separate q/k/v and gate/up projections, RoPE and masks rebuilt per layer, generic kwargs plumbing). This
+module runs the same mathematics on the weights of a loaded transformers model with
+- fused projections: one ``[q; k; v]`` matmul and one ``[gate; up]`` matmul per layer (``PackedLinear``, optionally
+  with weight-only int8/int4 weights for small batches);
+- RoPE's cos/sin built once per step (by the model's own rotary module, so every RoPE scaling it knows works)
+  and applied to q and k together, with ``rotate_half`` as one ``roll`` against a sign-folded sin;
+- paged attention called directly (``attention.paged_attention``), no ``[1, T]`` batch dimension;
+- the final norm and LM head only on the rows that need logits.
+Its results equal transformers' in the same dtype up to float rounding (tests/engine/test_decoder.py). The
+float32 unquantised engine keeps transformers' own forward (``ModelRunner``): that path is token-for-token
+identical to ``generate`` and stays the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from worker.engine.attention import PagedContext, paged_attention
+from worker.engine.linear import PackedLinear
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """Head geometry and norm epsilon of the decoder."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+
+
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """Why ``model`` cannot run on ``Decoder`` (None: it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (supported: {SUPPORTED_MODEL_TYPES})"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return "an MLP other than SiLU-gated without bias"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    return None
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block with fused projections."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, quantization: str | None) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        biases = [p.bias for p in projections]
+        bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+        self.qkv = PackedLinear(torch.cat([p.weight.detach() for p in projections]), bias, dtype, quantization)
+        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, dtype, quantization)
+        self.gate_up = PackedLinear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), None,
+                                    dtype, quantization)
+        self.down = PackedLinear(mlp.down_proj.weight, None, dtype, quantization)
+        # Norm weights stay float32: the scale is applied before rounding to the compute dtype (one op less than
+        # transformers' round-then-scale, and at most one rounding apart from it).
+        self.input_norm = layer.input_layernorm.weight.detach().float()
+        self.post_attention_norm = layer.post_attention_layernorm.weight.detach().float()
+        self.scale = float(attn.scaling)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, in float32 (``weight`` is float32), rounded once to the input dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+class Decoder(nn.Module):
+    """A Llama/Qwen2 causal LM over the paged KV cache. ``config``/``generation_config``: the source model's."""
+
+    def __init__(self, model: PreTrainedModel, dtype: torch.dtype, quantization: str | None = None) -> None:
+        super().__init__()
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the engine's decoder does not support {reason}")
+        config = model.config
+        self.config, self.generation_config = config, getattr(model, "generation_config", None)
+        self.dtype = dtype
+        inner = model.model
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.shape = DecoderShape(config.num_attention_heads, config.num_key_value_heads, head_dim,
+                                  config.intermediate_size, config.rms_norm_eps)
+        self.embed = inner.embed_tokens.weight.detach().to(dtype)  # [V, hidden]
+        self.rotary = inner.rotary_emb
+        self.layers = nn.ModuleList(DecoderLayer(layer, dtype, quantization) for layer in inner.layers)
+        self.final_norm = inner.norm.weight.detach().float()
+        # The LM head takes int8 under either quantisation: GGUF files keep it at 8 bits (SmolLM2's is Q8_0), and
+        # int4 there costs far more quality than anywhere else in the model.
+        head_quantization = None if quantization is None else "int8"
+        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head_quantization)
+
+    def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[T, 1, D]`` for ``x * cos + roll(x, D/2) * sin`` (== rotate_half form)."""
+        cos, sin = self.rotary(self.embed[:1], position_ids[None])  # [1, T, D] each, in the compute dtype
+        half = self.shape.head_dim // 2
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos[0, :, None, :], signed_sin[0, :, None, :]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``position_ids``: [T]; returns logits [len(logits_indices), V] in the compute dtype."""
+        cos, sin = self.rope_tables(position_ids)
+        hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(index, layer, hidden, cos, sin, ctx)
+        hidden = rms_norm(hidden[logits_indices], self.final_norm, self.shape.rms_norm_eps)
+        return self.lm_head(hidden)  # [B, V]
+
+    def _layer(self, index: int, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               ctx: PagedContext) -> torch.Tensor:
+        """One block; ``hidden``: [T, hidden] -> [T, hidden]."""
+        shape, num_tokens = self.shape, hidden.shape[0]
+        num_qk_heads = shape.num_heads + shape.num_kv_heads
+        qkv = layer.qkv(rms_norm(hidden, layer.input_norm, shape.rms_norm_eps))  # [T, (H + 2 kvh) * D]
+        qk = qkv[:, :num_qk_heads * shape.head_dim].view(num_tokens, num_qk_heads, shape.head_dim)
+        qk = qk * cos + qk.roll(shape.head_dim // 2, dims=-1) * sin  # RoPE on q and k at once
+        value = qkv[:, num_qk_heads * shape.head_dim:].view(num_tokens, shape.num_kv_heads, shape.head_dim)
+        attn = paged_attention(index, qk[:, :shape.num_heads], qk[:, shape.num_heads:], value, ctx, layer.scale)
+        hidden = hidden + layer.o(attn.view(num_tokens, -1))
+        gate_up = layer.gate_up(rms_norm(hidden, layer.post_attention_norm, shape.rms_norm_eps))  # [T, 2 I]
+        gate, up = gate_up.split(shape.intermediate_size, dim=-1)
+        return hidden + layer.down(F.silu(gate) * up)

@@ -1,0 +1,106 @@
+"""Linear layers with their weights in the formats the CPU kernels are fast at.
+
+``PackedLinear`` computes ``x @ W.T (+ b)`` and keeps the weight in up to two forms:
+- dense, in the compute dtype: used for every call without quantisation, and for calls with many rows (prefill,
+  large decode batches), where bf16 matmuls run on AMX and beat the weight-only kernels by 2-3x;
+- weight-only quantised (``"int8"``: one scale per output row, ``torch._weight_int8pack_mm``; ``"int4"``: groups
+  of 32 input columns with a scale and an offset each, ``_weight_int4pack_mm_for_cpu``): used for calls with at
+  most ``QUANTIZED_MAX_ROWS`` rows, where a matmul is a weight read and 2-4x fewer bytes make it 2-3x faster.
+With quantisation the dense copy holds the *de-quantised* weights, so both forms compute the same function up to
+the kernels' rounding. Both kernels want bf16 activations (with fp32 ones they are 10-100x slower).
+
+int4 in groups of 32 with a per-group offset is the shape of GGUF's Q4_1 blocks: quantising weights that were
+de-quantised from Q4_1 finds each block's own ``(d, m)`` again (min and max of a block are codes 0 and 15), so the
+engine serves the shipped model file's weights, up to the rounding of the scales to bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_SIZE = 32
+# At up to this many rows a weight-only kernel beats the dense bf16 one (2-core Xeon with AMX, SmolLM2 shapes:
+# at 1 row int8 45 us vs bf16 237 us; at 8 rows 139 vs 111 us; at 64 rows 1410 vs 480 us; /work/shared probes).
+QUANTIZED_MAX_ROWS = 4
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8. ``weight``: [N, K] float -> (codes [N, K] int8, scales [N] float32)."""
+    scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    codes = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of ``group_size`` columns (Q4_1's layout): ``w ~ d * q + m``, ``q`` in [0, 15].
+
+    ``weight``: [N, K] float -> (codes [N, K] int32, scales ``d`` [N, K/g], minimums ``m`` [N, K/g]), float32.
+    """
+    rows, cols = weight.shape
+    if cols % group_size:
+        raise ValueError(f"int4 quantisation needs in_features divisible by {group_size}, got {cols}")
+    groups = weight.float().view(rows, cols // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15.0).clamp(min=1e-12)
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.view(rows, cols), scales, low
+
+
+def lies_on_int4_grid(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:
+    """Whether int4 groups of ``group_size`` reproduce ``weight`` exactly (to float32 rounding): true of weights
+    de-quantised from GGUF Q4_1 blocks, false of trained float weights."""
+    if weight.shape[-1] % group_size:
+        return False
+    codes, scales, low = quantize_int4(weight, group_size)
+    grouped = codes.view(weight.shape[0], -1, group_size).float() * scales[..., None] + low[..., None]
+    error = (grouped.view_as(weight) - weight.float()).abs().max()
+    return bool(error <= 1e-5 * weight.abs().max())
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` dense in ``dtype``, and optionally weight-only quantised for few rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 quantization: str | None = None) -> None:
+        super().__init__()
+        if quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+        self.out_features, self.in_features = weight.shape
+        self.quantization = quantization
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        weight = weight.detach().float()
+        self.codes = self.scales = None
+        if quantization == "int8":
+            codes, scales = quantize_int8(weight)
+            self.codes, self.scales = codes, scales.to(dtype)
+            weight = codes.float() * self.scales.float()[:, None]
+        elif quantization == "int4":
+            codes, scales, low = quantize_int4(weight)
+            # The kernel's convention: w = (q - 8) * scale + zero, scales_and_zeros [K/g, N, 2].
+            zeros = low + 8 * scales
+            self.codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self.scales = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
+            pairs = self.scales.float().transpose(0, 1)  # [N, K/g, 2]: the rounded scales the kernel uses
+            grouped = codes.view(self.out_features, -1, INT4_GROUP_SIZE).float() - 8
+            weight = (grouped * pairs[..., :1] + pairs[..., 1:]).view(self.out_features, self.in_features)
+        self.weight = weight.to(dtype)  # [N, K]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: [..., K] -> [..., N]. 2-d inputs (the decoder's) skip the reshapes: a step makes ~120 calls."""
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self.codes is None or rows.shape[0] > QUANTIZED_MAX_ROWS:
+            out = torch.nn.functional.linear(rows, self.weight, self.bias)
+        else:
+            if self.quantization == "int8":
+                out = torch._weight_int8pack_mm(rows, self.codes, self.scales)
+            else:
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.codes, INT4_GROUP_SIZE, self.scales)
+            if self.bias is not None:
+                out = out + self.bias
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, quantization={self.quantization}"
