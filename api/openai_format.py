@@ -29,12 +29,19 @@ def usage_info(usage: Usage) -> UsageInfo:
     )
 
 
+def token_bytes(lp: TokenLogprob) -> bytes:
+    """The token's raw bytes (recorded by the worker; older records: its text in UTF-8)."""
+    return bytes(lp.bytes) if lp.bytes is not None else lp.token.encode()
+
+
 def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
-    """The legacy completions format: parallel lists, ``text_offset`` counted in characters of the text."""
+    """The legacy completions format: parallel lists, ``text_offset`` counted in characters of the text (a token
+    that starts inside a multi-byte character points at that character)."""
     offsets = []
+    generated = b""
     for lp in logprobs:
-        offsets.append(text_offset)
-        text_offset += len(lp.token)
+        offsets.append(text_offset + len(generated.decode("utf-8", errors="ignore")))
+        generated += token_bytes(lp)
     return CompletionLogprobs(
         tokens=[lp.token for lp in logprobs],
         token_logprobs=[lp.logprob for lp in logprobs],
@@ -46,9 +53,10 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> C
 def chat_logprobs(logprobs: list[TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(
-            token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
-            top_logprobs=[TopLogprob(token=token, logprob=value, bytes=list(token.encode()))
-                          for _, token, value in lp.top],
+            token=lp.token, logprob=lp.logprob, bytes=list(token_bytes(lp)),
+            top_logprobs=[TopLogprob(token=token, logprob=value,
+                                     bytes=lp.top_bytes[i] if lp.top_bytes else list(token.encode()))
+                          for i, (_, token, value) in enumerate(lp.top)],
         )
         for lp in logprobs
     ])

@@ -142,6 +142,9 @@ class TokenLogprob(_Wire):
     token: str
     logprob: float
     top: list[tuple[int, str, float]] = Field(default_factory=list)
+    # The token's raw bytes (its text alone is U+FFFD when it holds part of a character), and each top entry's.
+    bytes: list[int] | None = None
+    top_bytes: list[list[int]] | None = None
 
 
 class Usage(_Wire):

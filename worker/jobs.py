@@ -26,6 +26,7 @@ from shared.schemas import (
 )
 from worker.engine import Logprob, StepOutput
 from worker.port import EnginePort, Tokenizer
+from worker.token_bytes import TokenBytes
 
 
 def request_id(job_id: str, index: int) -> str:
@@ -54,10 +55,14 @@ def prompt_token_ids(job: JobSubmission, tokenizer: Tokenizer) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def to_token_logprobs(logprobs: Sequence[Logprob], tokenizer: Tokenizer) -> list[TokenLogprob]:
-    """Engine logprobs with the tokens' text, as the wire schema carries them."""
+def to_token_logprobs(logprobs: Sequence[Logprob], tokenizer: Tokenizer, token_bytes: TokenBytes
+                      ) -> list[TokenLogprob]:
+    """Engine logprobs with the tokens' text and raw bytes, as the wire schema carries them."""
     return [TokenLogprob(token_id=lp.token_id, token=tokenizer.decode([lp.token_id]), logprob=lp.logprob,
-                         top=[(tid, tokenizer.decode([tid]), v) for tid, v in lp.top]) for lp in logprobs]
+                         top=[(tid, tokenizer.decode([tid]), v) for tid, v in lp.top],
+                         bytes=list(token_bytes.bytes_of(lp.token_id)),
+                         top_bytes=[list(token_bytes.bytes_of(tid)) for tid, _ in lp.top])
+            for lp in logprobs]
 
 
 @dataclass

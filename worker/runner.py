@@ -29,6 +29,7 @@ from worker.metrics import WorkerMetrics
 from worker.outbox import Finish, Outbox, Publish, Release
 from worker.port import EnginePort
 from worker.retrying import REDIS_RETRY_S, RETRYABLE_ERRORS, Retrying
+from worker.token_bytes import TokenBytes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Runner:
         self._outbox = Outbox(self._writer)
         self._claimer = Claimer(ctx)
         self._control = Control(ctx, model_card(settings.served_model_name, engine), self._active)
+        self._token_bytes = TokenBytes(engine.tokenizer)
         self._stop = asyncio.Event()
         self._next_poll_at = 0.0  # time.monotonic() when the worker claims next even without a nudge
 
@@ -155,7 +157,8 @@ class Runner:
         # Sequences computed in the step: those still running after it plus those it finished.
         batch_size = stats.num_running + sum(out.finished for out in outputs)
         self._ctx.metrics.on_step(duration_s, batch_size, sum(len(out.new_token_ids) for out in outputs), stats)
-        return [(out, to_token_logprobs(out.logprobs, self._ctx.engine.tokenizer) if out.logprobs else None)
+        tokenizer = self._ctx.engine.tokenizer
+        return [(out, to_token_logprobs(out.logprobs, tokenizer, self._token_bytes) if out.logprobs else None)
                 for out in outputs]
 
     async def _apply_control(self) -> None:
