@@ -27,6 +27,7 @@ from api.openai_models import (
     ModelObject,
     SamplingRequest,
 )
+from api.openai_prompts import finished_job, run_prompts, split_prompts
 from api.openai_stream import ChatChunks, ChunkFormat, CompletionChunks, openai_stream
 from api.relay import JobRelay, run_until_disconnect
 from api.sse import EventStreamResponse
@@ -43,7 +44,7 @@ from api.submission import (
     resolve_model,
 )
 from shared.queue import JobQueue, QueueFullError
-from shared.schemas import ChatMessage, DoneEvent, GenerationParams, JobRecord, JobStatus, JobSubmission
+from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -76,16 +77,27 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
                             catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep) -> Response:
     _reject_unsupported_completion(body)
     check_caps(settings, max_tokens=body.max_tokens, n=body.n)
-    prompt, prompt_token_ids = _single_prompt(body.prompt)
+    prompts = split_prompts(body.prompt)
+    if len(prompts) > 1 and body.stream:
+        raise invalid_request("a list of prompts cannot be streamed; stream one request per prompt", param="prompt")
+    if len(prompts) > settings.max_batch_size:
+        raise invalid_request(f"at most {settings.max_batch_size} prompts per request, got {len(prompts)}",
+                              param="prompt")
     model = await resolve_model(catalog, body.model)
-    num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
     params = _params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
-    check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
-    job_id = new_job_id()
-    submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,
-                                  priority=body.priority, background=body.background, prompt=prompt,
-                                  prompt_token_ids=prompt_token_ids)
+    submissions = []
+    for prompt, prompt_token_ids in prompts:
+        num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
+        check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
+        submissions.append(build_submission(job_id=new_job_id(), model=model, params=params, owner=owner, n=body.n,
+                                            priority=body.priority, background=body.background, prompt=prompt,
+                                            prompt_token_ids=prompt_token_ids))
     created = int(time.time())
+    if len(submissions) > 1:
+        return await run_prompts(request, queue, metrics, submissions, created=created, n=body.n,
+                                 want_logprobs=body.logprobs is not None)
+    submission = submissions[0]
+    job_id = submission.id
     fmt = CompletionChunks(f"cmpl-{job_id}", created, model.name, body.logprobs is not None)
 
     def render(job: JobRecord) -> CompletionResponse:
@@ -150,15 +162,7 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
         with anyio.CancelScope(shield=True):
             await cancel_if_abandoned()
         return Response(status_code=499)  # nobody reads this: the client is gone
-    if not isinstance(final, DoneEvent):
-        message = final.message if final is not None else "the job's stream ended without a result"
-        raise APIError(500, message, type="server_error", code="job_lost")
-    if final.job.status == JobStatus.FAILED:
-        error = final.job.error or "the job failed"
-        if error.startswith("invalid job"):  # the worker refused the request's input (docs/protocol.md): a 400
-            raise invalid_request(error, code="invalid_job")
-        raise APIError(500, error, type="server_error", code="job_failed")
-    return Response(render(final.job).model_dump_json(), media_type="application/json")
+    return Response(render(finished_job(final)).model_dump_json(), media_type="application/json")
 
 
 def _params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
@@ -170,25 +174,6 @@ def _params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | No
         "seed": body.seed, "stop": stop, "stop_token_ids": tuple(body.stop_token_ids or ()) or None,
         "ignore_eos": body.ignore_eos, "min_tokens": body.min_tokens, "logprobs": logprobs,
     })
-
-
-def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str | None, list[int] | None]:
-    """One prompt as ``(text, None)`` or ``(None, token_ids)``; a batch of prompts is refused."""
-    if isinstance(prompt, str):
-        return prompt, None
-    if not prompt:
-        raise invalid_request("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return None, [int(p) for p in prompt if isinstance(p, int)]
-    if len(prompt) != 1:
-        raise invalid_request("one prompt per request; submit many prompts with POST /v1/jobs/batch",
-                              param="prompt")
-    only = prompt[0]
-    if isinstance(only, str):
-        return only, None
-    if isinstance(only, list) and only:
-        return None, list(only)
-    raise invalid_request("prompt must not be empty", param="prompt")
 
 
 def _chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:

@@ -134,8 +134,9 @@ def test_errors_reach_the_client_as_typed_exceptions(api: ApiServer, worker: InP
     with pytest.raises(openai.BadRequestError) as bad_temperature:
         client.completions.create(model=MODEL, prompt="hi", temperature=-2)
     assert bad_temperature.value.param == "temperature"
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt=["one", "two"])
+    with pytest.raises(openai.BadRequestError) as empty_prompt:
+        client.completions.create(model=MODEL, prompt=["one", ""])
+    assert empty_prompt.value.param == "prompt.1"
     with pytest.raises(openai.BadRequestError) as bad_n:
         client.completions.create(model=MODEL, prompt="hi", n=50)
     assert bad_n.value.param == "n"

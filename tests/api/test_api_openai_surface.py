@@ -8,7 +8,7 @@ import openai
 import pytest
 from conftest import ApiServer
 
-from tests.worker.scripted_engine import MODEL, InProcessWorker
+from tests.worker.scripted_engine import MODEL, InProcessWorker, expected_text
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
@@ -54,3 +54,24 @@ def test_stream_options_without_stream_is_refused_on_completions(api: ApiServer)
 def test_text_modality_alone_is_accepted(api: ApiServer, worker: InProcessWorker) -> None:
     response = httpx.post(f"{api.base_url}/v1/chat/completions", json={**CHAT, "modalities": ["text"]}, timeout=30)
     assert response.status_code == 200, response.text
+
+
+def test_a_list_of_prompts_is_one_job_each_answered_together(api: ApiServer, worker: InProcessWorker) -> None:
+    """LangChain's ``OpenAI.batch`` and LiteLLM's ``text_completion(prompt=[...])`` send several prompts: choice
+    ``i * n + c`` is choice ``c`` of prompt ``i``, usage is summed, and each prompt ran as its own job."""
+    client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused")
+    prompts = ["hello world", "the quick fox", "brown"]
+    completion = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, n=2)
+    assert [c.index for c in completion.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        for c in range(2):
+            assert completion.choices[i * 2 + c].text == expected_text(prompt, 3, index=c)
+    assert completion.usage is not None and completion.usage.completion_tokens == 3 * 2 * 3
+    assert completion.usage.prompt_tokens == 2 + 3 + 1  # the word tokenizer: one token per word
+    assert len(worker.claimed) == 3
+
+
+def test_a_list_of_prompts_is_not_streamed(api: ApiServer) -> None:
+    body = {"model": MODEL, "prompt": ["hello", "world"], "max_tokens": 2, "stream": True}
+    response = httpx.post(f"{api.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
