@@ -65,3 +65,14 @@ def mixed_workload(seed: int, num_requests: int, max_prompt: int, max_output: in
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens if i % 2 else 0)
         workload.append(([rng.randrange(3, vocab) for _ in range(length)], params, rng.randint(0, 2)))
     return workload
+
+
+def poison_token(engine: Engine, token_id: int) -> None:
+    """Make ``token_id``'s embedding NaN, so any request whose prompt holds it gets NaN K/V and logits (whichever
+    forward the engine runs: transformers' or its own decoder)."""
+    runner = engine.runner
+    with torch.no_grad():
+        if runner.decoder is not None:
+            runner.decoder.embed[token_id] = float("nan")
+        else:
+            runner.model.get_input_embeddings().weight[token_id] = float("nan")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.helpers import drain
+from tests.engine.helpers import drain, poison_token
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.draw import Draw, draw_tokens
 from worker.engine.request import Request
@@ -36,17 +36,23 @@ def _run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) 
     return run.token_ids
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request: pytest.FixtureRequest) -> str:
+    """float32 runs transformers' forward, bfloat16 the engine's own decoder."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def poisoned(tiny_llama: Path) -> Engine:
-    engine = _engine(tiny_llama)
-    with torch.no_grad():
-        engine.runner.model.get_input_embeddings().weight[POISON] = float("nan")
+def poisoned(tiny_llama: Path, dtype: str) -> Engine:
+    engine = _engine(tiny_llama, dtype)
+    poison_token(engine, POISON)
     return engine
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_request_with_nan_logits_fails_alone(tiny_llama: Path, poisoned: Engine, params: SamplingParams) -> None:
-    expected = _run(_engine(tiny_llama), PROMPTS, params)
+def test_a_request_with_nan_logits_fails_alone(tiny_llama: Path, poisoned: Engine, dtype: str,
+                                               params: SamplingParams) -> None:
+    expected = _run(_engine(tiny_llama, dtype), PROMPTS, params)
     for rid, prompt in PROMPTS.items():
         poisoned.add_request(rid, prompt, params)
     poisoned.add_request("poison", [5, 6, POISON, 8], params)

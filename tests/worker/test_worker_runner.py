@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 from redis.asyncio import Redis
 
 from shared import keys
 from shared.queue import ClaimedJob, JobQueue
 from shared.schemas import GenerationParams, JobStatus, RestartEvent, TokenEvent
+from tests.engine.helpers import poison_token
 from tests.queue.queue_helpers import make_job, queue_settings
 from worker.engine import Engine
 from worker.engine_thread import EngineThread
@@ -234,8 +234,7 @@ async def test_a_job_the_engine_fails_ends_failed_alone_and_the_worker_keeps_ser
     """One choice of a job gets NaN logits (its prompt holds a token whose embedding is NaN): that job fails
     with the engine's reason, its sibling choice is aborted, and the jobs beside it in the batch succeed."""
     poison = 77
-    with torch.no_grad():
-        harness.engine.runner.model.get_input_embeddings().weight[poison] = float("nan")
+    poison_token(harness.engine, poison)
     params = GenerationParams(max_tokens=8, temperature=0, ignore_eos=True)
     good = [make_job(prompt=f"Story {i}", params=params) for i in range(2)]
     bad = make_job(prompt=None, prompt_token_ids=[5, 6, poison, 8], params=params, n=2)
