@@ -150,8 +150,10 @@ def llama_server_version(binary: Path) -> str:
     return f"{version}, from {sources[-1]}" if sources else version
 
 
-def make_runners(args: argparse.Namespace, url: str | None) -> tuple[dict[str, Callable[[list[Req]], float]], int]:
-    """One callable per system (requests -> seconds), built once and reused across rounds; and the vocab size."""
+def make_runners(args: argparse.Namespace, url: str | None
+                 ) -> tuple[dict[str, Callable[[list[Req]], float]], int, dict[str, str]]:
+    """One callable per system (requests -> seconds), built once and reused across rounds; the vocab size; and
+    each engine's resolved dtype (the default configuration's follows the hardware)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -160,6 +162,7 @@ def make_runners(args: argparse.Namespace, url: str | None) -> tuple[dict[str, C
     from worker.engine import Engine, EngineConfig
 
     runners: dict[str, Callable[[list[Req]], float]] = {}
+    dtypes: dict[str, str] = {}
     hf = AutoModelForCausalLM.from_pretrained(args.model_folder, dtype=torch.float32).eval()
     configs = {"engine": {}, "engine_fp32": {"dtype": "float32"}, "engine_bf16": {"dtype": "bfloat16"}}
     for system in args.systems:
@@ -172,9 +175,10 @@ def make_runners(args: argparse.Namespace, url: str | None) -> tuple[dict[str, C
         elif system in configs:
             engine = Engine(EngineConfig(model=str(args.model_folder), num_threads=args.threads, **configs[system]))
             runners[system] = lambda reqs, engine=engine: run_engine(engine, reqs)
+            dtypes[system] = str(engine.plan.dtype).removeprefix("torch.")
         else:
             raise ValueError(f"--systems entries must be among {SYSTEMS + ('engine_bf16',)}, got {system!r}")
-    return runners, hf.config.vocab_size
+    return runners, hf.config.vocab_size, dtypes
 
 
 def run_rounds(runners: dict[str, Callable[[list[Req]], float]], vocab: int, rounds: int) -> list[Sample]:
@@ -233,26 +237,36 @@ def main(argv: list[str] | None = None) -> int:
         log = RESULTS / "scratch" / "llama-server.log"  # git-ignored
         log.parent.mkdir(parents=True, exist_ok=True)
         with running_server(server, log) as url:
-            samples, vocab = _measure(args, url)
+            samples, vocab, dtypes = _measure(args, url)
     else:
-        samples, vocab = _measure(args, None)
-    summary = summarize(samples)
-    report = {
-        "machine": {"cpu": read_cpu_info().describe(), "threads": args.threads, "torch": torch.__version__,
-                    "llama_cpp": llama_server_version(binary) if binary else "not run",
-                    "load_average": os.getloadavg(), "shared": "other engineers' work ran on these cores"},
-        "rounds": args.rounds, "naive_batch": args.naive_batch, "gguf": gguf.name, "vocab": vocab,
-        "labels": {s: LABELS.get(s, s) for s in args.systems}, "summary": summary, "ratios": ratios(summary),
-        "samples": [{**asdict(s), "output_tps": s.output_tps} for s in samples], "time": time.time(),
-    }
+        samples, vocab, dtypes = _measure(args, None)
+    report = build_report(args, samples, vocab, dtypes, binary, gguf)
     write_report(report, args.out)
     print(render_markdown(report))
     return 0
 
 
-def _measure(args: argparse.Namespace, url: str | None) -> tuple[list[Sample], int]:
-    runners, vocab = make_runners(args, url)
-    return run_rounds(runners, vocab, args.rounds), vocab
+def build_report(args: argparse.Namespace, samples: list[Sample], vocab: int, dtypes: dict[str, str],
+                 binary: Path | None, gguf: Path) -> dict:
+    """Everything measured (every sample, with the load average it started at) and the machine named."""
+    import torch
+
+    summary = summarize(samples)
+    return {
+        "machine": {"cpu": read_cpu_info().describe(), "threads": args.threads, "torch": torch.__version__,
+                    "llama_cpp": llama_server_version(binary) if binary else "not run",
+                    "load_average": os.getloadavg()},
+        "rounds": args.rounds, "naive_batch": args.naive_batch, "gguf": gguf.name, "vocab": vocab,
+        "engine_dtypes": dtypes,
+        "labels": {s: LABELS.get(s, s) + (f" [{dtypes[s]}]" if s in dtypes else "") for s in args.systems},
+        "summary": summary, "ratios": ratios(summary),
+        "samples": [{**asdict(s), "output_tps": s.output_tps} for s in samples], "time": time.time(),
+    }
+
+
+def _measure(args: argparse.Namespace, url: str | None) -> tuple[list[Sample], int, dict[str, str]]:
+    runners, vocab, dtypes = make_runners(args, url)
+    return run_rounds(runners, vocab, args.rounds), vocab, dtypes
 
 
 if __name__ == "__main__":

@@ -162,6 +162,8 @@ def test_engine_and_naive_systems_run_end_to_end_on_a_tiny_model(tiny_llama: Pat
     assert all(s["output_tokens"] == sum(r.max_tokens for r in scenario_requests("concurrent", 49152, 0))
                for s in concurrent)
     assert "concurrent: engine / naive" in report["ratios"]
+    assert report["engine_dtypes"]["engine_fp32"] == "float32"
+    assert report["labels"]["engine_fp32"] == "tokenspool engine, `--dtype float32` [float32]"
     assert out.with_suffix(".md").read_text().startswith("CPU: **")
 
 
