@@ -113,8 +113,9 @@ def render_markdown(report: dict) -> str:
     rows = {(r["system"], r["scenario"]): r for r in report["summary"]}
     systems = list(dict.fromkeys(r["system"] for r in report["summary"]))
     load = ", ".join(f"{x:.1f}" for x in m["load_average"])
-    lines = [f"CPU: **{m['cpu']}**; {m['threads']} threads for every system; torch {m['torch']}; "
-             f"llama.cpp {m['llama_cpp']}; {report['rounds']} interleaved rounds (median, min-max); "
+    threads, rounds = m["threads"], report["rounds"]
+    lines = [f"CPU: **{m['cpu']}**; {threads} thread{'s' * (threads != 1)} for every system; torch {m['torch']}; "
+             f"llama.cpp {m['llama_cpp']}; {rounds} interleaved round{'s (median, min-max)' if rounds > 1 else ''}; "
              f"load average at the end {load}", "",
              "| system | one stream tok/s (64-token prompt, 128 new) | 32 concurrent, mixed: output tok/s |",
              "|---|---:|---:|"]
@@ -122,7 +123,8 @@ def render_markdown(report: dict) -> str:
         cells = []
         for scenario in SCENARIOS:
             r = rows.get((system, scenario))
-            cells.append(f"{r['median_tps']:.1f} ({r['min_tps']:.1f}-{r['max_tps']:.1f})" if r else "-")
+            spread = f" ({r['min_tps']:.1f}-{r['max_tps']:.1f})" if r and r["runs"] > 1 else ""
+            cells.append(f"{r['median_tps']:.1f}{spread}" if r else "-")
         lines.append(f"| {report['labels'].get(system, system)} | {cells[0]} | {cells[1]} |")
     lines += ["", "| ratio (median tok/s) | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f}x |" for k, v in report["ratios"].items()]

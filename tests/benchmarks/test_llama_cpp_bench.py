@@ -120,6 +120,8 @@ def test_report_is_written_as_json_and_a_markdown_table_naming_the_cpu(tmp_path:
     assert "| tokenspool engine (default) | 25.0 (20.0-30.0) | 210.0 (210.0-210.0) |" in md
     assert "| naive | 11.0 (10.0-12.0) | - |" in md
     assert "| concurrent: engine / llama.cpp | 3.00x |" in md
+    one_round = render_markdown({**report, "rounds": 1, "summary": summarize(_samples()[:5])})
+    assert "1 interleaved round;" in one_round and "| naive | 10.0 | - |" in one_round
 
 
 def test_llama_server_requests_are_greedy_exact_length_and_uncached() -> None:
