@@ -97,8 +97,12 @@ def prefill_vs_peak(engine, hf, num_prompts: int, prompt_len: int, peak_tflops: 
 
 def transformers_cb_config(num_requests: int, tokens_per_request: int, max_batch_tokens: int):
     """KV room for every request at once and the engine's token budget per forward pass, so both sides get the
-    same limits (and transformers skips sizing its cache from free memory)."""
-    from transformers.generation import ContinuousBatchingConfig
+    same limits (and transformers skips sizing its cache from free memory). None where the installed transformers
+    has no such config (older versions): it then sizes the cache itself."""
+    try:
+        from transformers.generation import ContinuousBatchingConfig
+    except ImportError:
+        return None
 
     page = 256
     return ContinuousBatchingConfig(page_size=page, num_blocks=num_requests * -(-tokens_per_request // page) + 8,
@@ -147,7 +151,7 @@ def check_shape(name: str, args: argparse.Namespace) -> dict:
     checks = (
         ("parity", check_parity, (engine, hf, shape.vocab_size, 4, 16 if tiny else 32)),
         ("decode", decode_vs_bandwidth, (engine, hf, args.batches, args.bandwidth_tbs, args.peak_tflops)),
-        ("prefill", prefill_vs_peak, (engine, hf, 4, 64 if tiny else 2048, args.peak_tflops)),
+        ("prefill", prefill_vs_peak, (engine, hf, 4 if tiny else 16, 64 if tiny else 2048, args.peak_tflops)),
         ("concurrent", concurrent_vs_transformers, (engine, hf, args.concurrent, 32 if tiny else 128,
                                                     16 if tiny else 128, args.max_batched_tokens)),
     )

@@ -143,7 +143,8 @@ def run_hf_continuous(model, reqs: list[Req], cb_config=None) -> float:
     from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1)
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
+    extra = {} if cb_config is None else {"continuous_batching_config": cb_config}
+    manager = model.init_continuous_batching(generation_config=config, **extra)
     manager.start()
     start = time.perf_counter()
     try:
