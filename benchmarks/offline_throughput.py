@@ -135,12 +135,16 @@ def run_naive(model, reqs: list[Req], pad_id: int, batch_size: int = 8) -> float
     return time.perf_counter() - start
 
 
-def run_hf_continuous(model, reqs: list[Req]) -> float:
-    """transformers' built-in continuous batching, with each request's own ``max_new_tokens`` and no EOS."""
+def run_hf_continuous(model, reqs: list[Req], cb_config=None) -> float:
+    """transformers' built-in continuous batching, with each request's own ``max_new_tokens`` and no EOS.
+
+    ``cb_config``: an optional ``transformers.ContinuousBatchingConfig`` (KV blocks, token budget); without one
+    transformers sizes its cache from free memory, which on CPU costs ~20 s per run before the first token."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1)
-    manager = model.init_continuous_batching(generation_config=config)
+    extra = {} if cb_config is None else {"continuous_batching_config": cb_config}
+    manager = model.init_continuous_batching(generation_config=config, **extra)
     manager.start()
     start = time.perf_counter()
     try:

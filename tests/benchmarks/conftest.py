@@ -1,0 +1,17 @@
+"""Benchmark-test settings: one torch thread (two cores shared by concurrent jobs; see tests/engine/conftest.py),
+restored after each test because the benchmarks set the process-wide thread count themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -1,0 +1,83 @@
+"""benchmarks/gpu_check.py on CPU with tiny shapes: every code path of the GPU script (random model folder, engine
+load, parity, decode/prefill against bounds, transformers' continuous batching, report), plus its pure parts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.gpu_check import common_prefix, main, render_table, targets
+from benchmarks.random_models import SHAPES, build_model, parameter_bytes, save_model_folder, word_level_tokenizer
+
+
+def test_common_prefix_counts_tokens_before_the_first_difference() -> None:
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert common_prefix([5, 6], [5, 6]) == 2
+    assert common_prefix([7], [8, 9]) == 0
+
+
+def test_word_level_tokenizer_round_trips_every_id() -> None:
+    tok = word_level_tokenizer(50)
+    assert len(tok) == 50 and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert tok.decode([10, 11, 49]) == "t10 t11 t49"
+    assert tok("t3 t4")["input_ids"] == [3, 4]
+
+
+def test_full_size_shapes_have_the_parameter_counts_they_are_named_for() -> None:
+    with torch.device("meta"):
+        smol, one_b = (build_model(SHAPES[n], "meta", torch.bfloat16) for n in ("smollm2-135m", "llama-1b"))
+    assert parameter_bytes(smol) / 2 == pytest.approx(134.5e6, rel=0.01)  # tied embedding counted once
+    assert parameter_bytes(one_b) / 2 == pytest.approx(1.236e9, rel=0.01)
+
+
+def test_saved_random_model_folder_loads_in_the_engine_with_identical_weights(tmp_path: Path) -> None:
+    from worker.engine import Engine, EngineConfig
+
+    model = build_model(SHAPES["smollm2-tiny"], "cpu", torch.float32)
+    engine = Engine(EngineConfig(model=str(save_model_folder(model, tmp_path)), device="cpu", dtype="float32",
+                                 num_kv_blocks=16))
+    loaded = dict(engine.runner.model.named_parameters())
+    assert all(torch.equal(p, loaded[name]) for name, p in model.named_parameters())
+
+
+def _report(x_bound: float, ratio: float | None) -> dict:
+    return {"llama-1b": {"decode": [{"batch": 1, "x_bound": x_bound}, {"batch": 16, "x_bound": 9.0}],
+                         "concurrent": {"ratio": ratio}}}
+
+
+def test_targets_are_judged_on_the_1b_shape() -> None:
+    met = targets(_report(2.4, 5.5))
+    assert met["decode_batch1_x_bound"]["met"] and met["concurrent_x_transformers_cb"]["met"]
+    missed = targets(_report(2.6, None))
+    assert not missed["decode_batch1_x_bound"]["met"] and not missed["concurrent_x_transformers_cb"]["met"]
+    assert targets({"smollm2-135m": {}}) == {}
+
+
+def test_cuda_is_refused_with_a_hint_when_torch_sees_no_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit):
+        main(["--device", "cuda"])
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_covers_every_check(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    assert main(["--device", "cpu", "--tiny", "--batches", "1,4", "--concurrent", "8", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["shapes"]) == ["smollm2-tiny", "llama-1b-tiny"]
+    for shape in report["shapes"].values():
+        assert shape["parity"]["agreement"] == 1.0 and shape["parity"]["ok"]  # fp32: token for token
+        bound_ms = shape["parameter_bytes"] / 4.3e12 * 1e3
+        assert [d["batch"] for d in shape["decode"]] == [1, 4]
+        assert all(d["bound_ms"] == pytest.approx(bound_ms) and d["step_ms"] > bound_ms for d in shape["decode"])
+        assert shape["prefill"]["prompts"] * shape["prefill"]["prompt_len"] == 4 * 64
+        concurrent = shape["concurrent"]
+        assert concurrent["error"] is None and concurrent["transformers_cb_tps"] > 0
+        assert concurrent["ratio"] == pytest.approx(concurrent["engine_tps"] / concurrent["transformers_cb_tps"])
+    assert set(report["targets"]) == {"decode_batch1_x_bound", "concurrent_x_transformers_cb"}
+    table = render_table(report)
+    assert "| smollm2-tiny | 100% (ok) |" in table and "8 concurrent" in table
