@@ -123,9 +123,9 @@ async def test_sigterm_under_load_drains_and_hands_back_the_rest_uncharged(
             queued_id = await submit(client, "Never claimed by a draining worker", **short)
             assert await asyncio.to_thread(draining.wait, drain_timeout_s + 20) == 0, draining.log_tail()
             exit_s = time.monotonic() - signalled
-            for job_id in long_ids:  # handed back uncharged: queued again, no attempt counted
-                status, attempts = await redis.hmget(keys.job(job_id), "status", "attempts")
-                assert (status, attempts) == (b"queued", b"0"), job_id
+            for job_id in long_ids:  # handed back uncharged: queued again, no crash counted, not isolated
+                fields = await redis.hmget(keys.job(job_id), "status", "attempts", "crashes", "isolate")
+                assert fields == [b"queued", b"1", None, None], job_id
         finals = {job_id: (await poll(client, job_id))[0] for job_id in [*long_ids, *short_ids, queued_id]}
         streams = [await follow(client, job_id) for job_id in long_ids]
 
@@ -135,9 +135,9 @@ async def test_sigterm_under_load_drains_and_hands_back_the_rest_uncharged(
         assert (finals[job_id]["status"], finals[job_id]["worker_id"]) == ("succeeded", draining.worker_id)
     for job_id, stream in zip(long_ids, streams, strict=True):
         job = finals[job_id]
-        assert (job["status"], job["worker_id"], job["attempts"]) == ("succeeded", survivor.worker_id, 1), job
+        assert (job["status"], job["worker_id"], job["attempts"]) == ("succeeded", survivor.worker_id, 2), job
         assert job["usage"]["completion_tokens"] == LONG_TOKENS
-        assert stream.kinds[0] == "restart" and stream.events[0][2]["attempt"] == 1  # a late reader: log trimmed
+        assert stream.kinds[0] == "restart" and stream.events[0][2]["attempt"] == 2  # a late reader: log trimmed
         assert_clean_stream(stream)
     assert finals[queued_id]["worker_id"] == survivor.worker_id
     released = [e for e in worker_log(draining) if "job_id" in e and "released" in e["msg"]]

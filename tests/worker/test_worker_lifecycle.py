@@ -47,7 +47,7 @@ async def test_sigterm_lets_running_jobs_finish_then_exits_0(tiny_llama: Path, q
         record = await queue.get(job.id)
         assert record is not None and record.status is JobStatus.SUCCEEDED and record.usage.completion_tokens == 400
         assert (await queue.get(queued.id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
-        assert await queue.live_workers() == []
+        assert worker.worker_id not in {w.id for w in await queue.live_workers()}  # deregistered
     finally:
         worker.stop()
 
@@ -91,7 +91,7 @@ async def test_kill_9_mid_generation_another_worker_finishes_with_the_same_greed
         restart = await read_first(queue, long_job.id)
         assert isinstance(restart, RestartEvent) and restart.attempt == 2
         assert await queue.redis.hmget(keys.job(long_job.id), "crashes", "isolate") == [None, None]
-        assert await queue.live_workers() == []
+        assert not {first.worker_id, second.worker_id} & {w.id for w in await queue.live_workers()}
     finally:
         first.stop()
         second.stop()
