@@ -166,7 +166,10 @@ def make_runners(args: argparse.Namespace, url: str | None
     runners: dict[str, Callable[[list[Req]], float]] = {}
     dtypes: dict[str, str] = {}
     hf = AutoModelForCausalLM.from_pretrained(args.model_folder, dtype=torch.float32).eval()
-    configs = {"engine": {}, "engine_fp32": {"dtype": "float32"}, "engine_bf16": {"dtype": "bfloat16"}}
+    # "engine" is what a worker serves unconfigured: dtype by the CPU, and quantization "auto" (the worker's default:
+    # int4 on the shipped Q4_1 SmolLM2 when running bf16 on CPU); the others pin one setting each.
+    configs = {"engine": {"quantization": "auto"}, "engine_fp32": {"dtype": "float32"},
+               "engine_bf16": {"dtype": "bfloat16"}}
     for system in args.systems:
         if system == "llama.cpp":
             assert url is not None
@@ -203,7 +206,8 @@ def run_rounds(runners: dict[str, Callable[[list[Req]], float]], vocab: int, rou
     return samples
 
 
-LABELS = {"llama.cpp": "llama.cpp `llama-server` (Q4_1 GGUF, 32 slots)", "engine": "tokenspool engine (default)",
+LABELS = {"llama.cpp": "llama.cpp `llama-server` (Q4_1 GGUF, 32 slots)",
+          "engine": "tokenspool engine (the worker's default: quantization auto)",
           "engine_fp32": "tokenspool engine, `--dtype float32`", "engine_bf16": "tokenspool engine, `--dtype bfloat16`",
           "naive": "naive static batching (transformers `generate`, fp32)"}
 
