@@ -1,5 +1,5 @@
 """A real tokenspool stack for the reliability tests: ``tokenspool api`` processes next to the worker processes
-of ``tests/queue/worker_process.py``, and HTTP clients that stream (resuming with Last-Event-ID) and poll.
+of ``tests/worker/worker_process.py``, and HTTP clients that stream (resuming with Last-Event-ID) and poll.
 
 Process helpers come from the existing suites (imported, not copied); what is here is what they lack: an API
 *process* that can be killed and restarted on the same port, and clients that ride out such restarts.
