@@ -9,7 +9,7 @@ import uvicorn
 
 from api.app import create_app
 from api.http_limits import uvicorn_options
-from shared.config import Settings
+from shared.config import Settings, no_tokenizer_thread_pool
 from shared.launcher.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 def run_api(settings: Settings) -> None:
     """Serve until SIGINT/SIGTERM. Without ``redis_url``, start an embedded redis-server (AOF in ``data_dir``)
     for the lifetime of the API and point the app at it."""
+    no_tokenizer_thread_pool()
     with contextlib.ExitStack() as stack:
         if settings.redis_url is None:
             server = stack.enter_context(RedisServer(settings.data_dir / "redis"))

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.loadgen import BenchConfig, BenchRequest, random_requests, run_bench_serve, run_benchmark  # noqa: E402
 from benchmarks.loadgen_report import BenchSummary, RequestResult, percentile, summarize  # noqa: E402
-from shared.config import Settings  # noqa: E402
+from shared.config import Settings, no_tokenizer_thread_pool  # noqa: E402
 from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
 from shared.launcher.supervisor import Supervisor  # noqa: E402
 from shared.launcher.up import child_specs  # noqa: E402
@@ -285,6 +285,7 @@ def run_queue_cost(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    no_tokenizer_thread_pool()  # the engine alone runs in this process: as in the worker
     if argv[:1] == ["load"]:
         return run_bench_serve(argv[1:])
     return run_queue_cost(argv)

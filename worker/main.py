@@ -17,7 +17,7 @@ from collections.abc import Callable
 import transformers
 from redis.asyncio import Redis
 
-from shared.config import Settings
+from shared.config import Settings, no_tokenizer_thread_pool
 from shared.logging_setup import configure_logging
 from shared.queue import JobQueue
 from worker.engine import Engine, EngineConfig
@@ -54,6 +54,7 @@ def run_worker(settings: Settings, make_engine: Callable[[EngineConfig], Engine]
     """Serve ``settings.served_model_name`` from the Redis at ``settings.redis_url``; returns the exit code.
 
     ``make_engine`` builds the engine from its config (tests pass an engine with a fault built in)."""
+    no_tokenizer_thread_pool()
     configure_logging(settings.log_level)
     if settings.redis_url is None:
         log.error("a worker needs TOKENSPOOL_REDIS_URL (or --redis-url): the Redis its API uses")
