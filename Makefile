@@ -1,7 +1,8 @@
 # tokenspool — two commands: `make up` runs the service, `make test` checks it.
 # Both install into $(VENV) first, which takes seconds when nothing changed.
 #
-#   make setup   create $(VENV) (Python >= 3.11), install tokenspool[dev] and prepare the default model
+#   make setup   create $(VENV) (Python >= 3.11), install tokenspool[dev] and examples/node's packages, and prepare
+#                the default model
 #   make up      start Redis (embedded), the API and the workers:  make up ARGS="--workers 2 --port 9000"
 #   make test    ruff, then the whole test suite:                  make test PYTEST_ARGS="-x tests/test_cli.py"
 #   make lint    ruff and mypy
@@ -35,7 +36,7 @@ STAMP := $(VENV)/.tokenspool-setup-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup install install-torch venv up test lint bench clean-data
+.PHONY: help setup install install-torch node-example venv up test lint bench clean-data
 
 help:
 	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'
@@ -80,7 +81,17 @@ install: venv
 		echo "$$want" > "$(STAMP)"; \
 	fi
 
-setup: install
+# The Node.js producer example (examples/node) runs in make test: its npm packages, installed when the lock changes.
+node-example:
+	@if ! command -v npm >/dev/null 2>&1; then \
+		echo "npm not found: install Node.js >= 18 for examples/node (its test needs it)" >&2; exit 1; \
+	elif [ ! -f examples/node/node_modules/.package-lock.json ] \
+		|| [ examples/node/package-lock.json -nt examples/node/node_modules/.package-lock.json ]; then \
+		echo "installing examples/node's packages (npm ci)"; \
+		npm ci --prefix examples/node --no-audit --no-fund --silent; \
+	fi
+
+setup: install node-example
 	@folder="$$("$(BIN)/tokenspool" models prepare "$(MODEL)")"; echo "model $(MODEL): $$folder"
 
 # `tokenspool up` prepares (converts once) the model itself, so `up` needs only the install.

@@ -48,6 +48,15 @@ async def _reap_forever(queue: JobQueue, metrics: ApiMetrics, interval_s: float)
             log.warning("reaping expired leases failed; retrying in %.1f s", interval_s, exc_info=True)
 
 
+async def _store_config(queue: JobQueue) -> None:
+    """Store the settings the scripts read (ts:config) for other backends; when Redis is not there yet, the
+    first submit or cancel stores them."""
+    try:
+        await queue.publish_config()
+    except Exception:
+        log.warning("could not store the script config in Redis yet; the first submit will", exc_info=True)
+
+
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the Redis client, queue and catalog; run the reaper; close them all on shutdown."""
@@ -63,7 +72,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                     catalog=ModelCatalog(queue, settings.served_model_name,
                                                          tokenize_threads=settings.tokenize_threads))
     metrics: ApiMetrics = app.state.metrics
-    tasks = [asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings)), name="lease-reaper"),
+    tasks = [asyncio.create_task(_store_config(queue), name="store-config"),
+             asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings)), name="lease-reaper"),
              asyncio.create_task(refresh_forever(metrics.fleet, queue, settings.served_model_name,
                                                  refresh_interval_s(settings.heartbeat_interval_s)),
                                  name="fleet-metrics")]

@@ -24,6 +24,9 @@ INFLIGHT = f"{PREFIX}inflight"  # zset: job_id -> lease deadline (Redis server t
 DEAD_LETTER = f"{PREFIX}dead"  # zset: job_id -> time it was given up on
 WORKERS = f"{PREFIX}workers"  # zset: worker_id -> last heartbeat (Redis server time)
 MODEL_CARDS = f"{PREFIX}models"  # hash: served model name -> ModelCard JSON
+# hash: the key layout and the settings the scripts need (result TTL, queue cap, ...), published by every API and
+# worker at start, so a script called by another backend needs nothing of the service's settings from its caller.
+CONFIG = f"{PREFIX}config"
 
 # A dead-letter entry and a stale worker entry are pruned after this many seconds.
 DEAD_LETTER_KEEP_S = 7 * 86_400

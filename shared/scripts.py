@@ -4,7 +4,8 @@ through ``[tool.setuptools.package-data]``) and registered on a Redis client.
 Every state transition of a job is one script, so it is atomic on the server whatever the clients do.
 ``lib.lua`` holds helpers the transition scripts share (Redis time, key derivation, emit/finish/requeue); it is
 prepended to each of them. ``submit.lua`` and the worker-registry scripts need no helpers and stay
-self-contained, so another backend can ``EVAL`` the shipped ``submit.lua`` exactly as it is on disk.
+self-contained, so another backend can ``EVAL`` the shipped ``submit.lua`` exactly as it is on disk (and
+``lib.lua`` + ``cancel.lua`` to cancel; both read the service's settings from ``ts:config``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 -- Helpers shared by the transition scripts. shared/scripts.py prepends this file to every script except
 -- submit.lua (which stays self-contained so other backends can EVAL it as shipped).
--- `ctx` is the JSON object JobQueue passes as ARGV[1]: key layout from shared/keys.py plus settings.
+-- `ctx` is the key layout from shared/keys.py plus settings (shared/queue/base.py script_config): the JSON object
+-- our workers pass as ARGV[1], or, for the scripts other backends call (cancel), the ts:config hash.
 
 -- Redis server time in seconds: one clock for every lease and timestamp, whatever the clients' clocks say.
 local function now()
@@ -11,6 +12,19 @@ end
 -- Timestamps are stored as text with microseconds (Lua numbers returned to clients would be truncated).
 local function fmt(x)
   return string.format('%.6f', x)
+end
+
+-- The ctx stored in the config hash (numbers as numbers), or nil when no API or worker has stored it yet.
+local function load_config(key)
+  local flat = redis.call('HGETALL', key)
+  if #flat == 0 then return nil end
+  local ctx = {}
+  for i = 1, #flat, 2 do ctx[flat[i]] = tonumber(flat[i + 1]) or flat[i + 1] end
+  return ctx
+end
+
+local function config_missing(key)
+  return 'ERR ' .. key .. ' is missing: start the tokenspool API or a worker once on this Redis'
 end
 
 local function job_key(ctx, id) return ctx.job_prefix .. id .. ctx.job_suffix end

@@ -4,6 +4,7 @@ connection, the scripts and the key layout both sides of ``JobQueue`` use. Nothi
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from shared.schemas import (
     Usage,
 )
 from shared.scripts import Scripts
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(Exception):
@@ -99,6 +102,23 @@ def record_from_fields(fields: dict[str, str]) -> JobRecord:
     )
 
 
+def script_config(settings: Settings) -> dict[str, str | int | float]:
+    """What the scripts need besides their keys: the key layout of shared/keys.py (scripts derive the keys of
+    job ids they discover) and the settings that decide TTLs, caps and retries. Worker-side scripts get it as
+    their ``ctx`` argument; submit and cancel read the same values from ``ts:config`` (``publish_config``)."""
+    return {
+        "job_prefix": keys.JOB_PREFIX, "job_suffix": keys.JOB_SUFFIX, "log_suffix": keys.LOG_SUFFIX,
+        "live_suffix": keys.LIVE_SUFFIX, "queue_prefix": keys.QUEUE_PREFIX, "queue_suffix": keys.QUEUE_SUFFIX,
+        "wake_suffix": keys.QUEUE_WAKE_SUFFIX, "seq_suffix": keys.QUEUE_SEQ_SUFFIX,
+        "idem_prefix": keys.IDEMPOTENCY_PREFIX, "worker_prefix": keys.WORKER_PREFIX,
+        "cancels_suffix": keys.WORKER_CANCELS_SUFFIX,
+        "control_prefix": keys.CONTROL_PREFIX, "lease_ttl_s": settings.lease_ttl_s,
+        "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
+        "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
+        "max_queue_length": settings.max_queue_length,
+    }
+
+
 class QueueBase:
     """One ``redis.asyncio.Redis`` client, the loaded scripts and the ``ctx`` every transition script takes."""
 
@@ -109,16 +129,20 @@ class QueueBase:
         # A stream or cancellation listener re-checks Redis after this long without a message, so a missed
         # pub/sub message (a reconnect) costs at most this delay and a finished job never hangs a reader.
         self._poll_s = poll_interval_s
-        self._ctx = json.dumps({
-            "job_prefix": keys.JOB_PREFIX, "job_suffix": keys.JOB_SUFFIX, "log_suffix": keys.LOG_SUFFIX,
-            "live_suffix": keys.LIVE_SUFFIX, "queue_prefix": keys.QUEUE_PREFIX, "queue_suffix": keys.QUEUE_SUFFIX,
-            "wake_suffix": keys.QUEUE_WAKE_SUFFIX,
-            "worker_prefix": keys.WORKER_PREFIX, "cancels_suffix": keys.WORKER_CANCELS_SUFFIX,
-            "control_prefix": keys.CONTROL_PREFIX, "lease_ttl_s": settings.lease_ttl_s,
-            "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
-            "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
-        })
+        self._ctx = json.dumps(script_config(settings))
         self._cards_sent: set[str] = set()
+
+    async def publish_config(self) -> None:
+        """Store the key layout and settings the scripts read (``ts:config``), so another backend's submit and
+        cancel need only the job's own data. Every API and worker does this at start; their settings must agree
+        (a difference is logged, and the last process to start wins)."""
+        mine = {name: str(value) for name, value in script_config(self._settings).items()}
+        stored = {as_text(k): as_text(v) for k, v in (await self._redis.hgetall(keys.CONFIG)).items()}
+        differ = sorted(name for name, value in mine.items() if name in stored and stored[name] != value)
+        if differ:
+            log.warning("settings differ from those another process stored in %s: %s; using this process's",
+                        keys.CONFIG, ", ".join(f"{n}={stored[n]!r}->{mine[n]!r}" for n in differ))
+        await self._redis.hset(keys.CONFIG, mapping=mine)
 
     @property
     def redis(self) -> Redis:

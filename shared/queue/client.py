@@ -4,7 +4,7 @@ and see the fleet (queue depths, live workers, model cards, dead letters)."""
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -42,13 +42,11 @@ class ClientSide(QueueBase):
 
         Raises QueueFullError when the model's queue is at ``max_queue_length``, ValueError for a taken id.
         """
-        job_keys = [keys.job(job.id), keys.queue(job.model), keys.queue_seq(job.model)]
+        job_keys = [keys.job(job.id), keys.queue(job.model), keys.queue_seq(job.model), keys.CONFIG]
         if job.idempotency_key is not None:
             job_keys.append(keys.idempotency(job.owner, job.idempotency_key))
         try:
-            reply = await self._scripts.submit(keys=job_keys, args=[job.model_dump_json(),
-                                                                   self._settings.max_queue_length,
-                                                                   keys.queue_wake(job.model)])
+            reply = await self._configured(lambda: self._scripts.submit(keys=job_keys, args=[job.model_dump_json()]))
         except ResponseError as exc:
             raise ValueError(f"id: {exc}") from exc
         outcome = as_text(reply[0])
@@ -56,6 +54,17 @@ class ClientSide(QueueBase):
             retry_after = max(1, math.ceil(self._settings.heartbeat_interval_s))
             raise QueueFullError(job.model, int(reply[1]), retry_after)
         return record_from_fields(reply_fields(reply[1])), outcome == "created"
+
+    async def _configured(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a script that reads ``ts:config``; when the config is missing (a Redis that lost its data since
+        this process started), store it and run the script again."""
+        try:
+            return await call()
+        except ResponseError as exc:
+            if not str(exc).startswith(f"{keys.CONFIG} is missing"):
+                raise
+        await self.publish_config()
+        return await call()
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or None when it does not exist (never did, or its result TTL ran out)."""
@@ -87,7 +96,8 @@ class ClientSide(QueueBase):
     async def cancel(self, job_id: str) -> JobRecord | None:
         """Cancel: a queued job is cancelled now; a running one is flagged and its worker told to abort it
         (its record turns ``cancelled`` when the worker finalises). Finished jobs are left as they are."""
-        reply = await self._scripts.cancel(keys=[keys.job(job_id), keys.INFLIGHT], args=[self._ctx, job_id])
+        reply = await self._configured(lambda: self._scripts.cancel(keys=[keys.job(job_id), keys.INFLIGHT,
+                                                                          keys.CONFIG], args=[job_id]))
         return record_from_fields(reply_fields(reply)) if reply else None
 
     async def rollback(self, job_ids: Sequence[str], error: str) -> int:

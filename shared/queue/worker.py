@@ -33,14 +33,17 @@ class WorkerSide(QueueBase):
     """Worker operations of the job protocol; every write carries the claim's fence."""
 
     async def register_worker(self, info: WorkerInfo, card: ModelCard) -> None:
-        """Heartbeat: (re)register the worker, and publish its model card the first time (the card holds the
-        tokenizer, megabytes, so later heartbeats do not resend it)."""
+        """Heartbeat: (re)register the worker, and publish its model card and the script config the first time
+        (the card holds the tokenizer, megabytes, so later heartbeats do not resend it) and whenever Redis lost
+        the card (a restart without persistence)."""
         info_ttl = max(1, math.ceil(self._settings.lease_ttl_s * keys.WORKER_INFO_TTL_LEASES))
         send_card = info.id not in self._cards_sent or not await self._redis.hexists(keys.MODEL_CARDS, card.name)
         await self._scripts.register(
             keys=[keys.WORKERS, keys.worker_info(info.id), keys.MODEL_CARDS],
             args=[info.id, info.model_dump_json(), info_ttl, card.name, card.model_dump_json() if send_card else ""],
         )
+        if send_card:
+            await self.publish_config()
         self._cards_sent.add(info.id)
 
     async def deregister_worker(self, worker_id: str) -> None:

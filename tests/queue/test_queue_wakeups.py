@@ -56,15 +56,16 @@ async def test_a_quiet_channel_still_yields_every_poll_interval(queue: JobQueue)
     await listener.aclose()
 
 
-async def test_submit_lua_as_shipped_publishes_only_when_given_the_channel(queue: JobQueue, redis: Redis) -> None:
-    """Other backends EVAL submit.lua: without ARGV[3] it enqueues silently (workers find it at their poll)."""
+async def test_submit_lua_as_shipped_wakes_the_models_workers(queue: JobQueue, redis: Redis) -> None:
+    """Other backends EVAL submit.lua with the job's own data only: it announces the job on the model's wake
+    channel, named from the layout the service stored in ts:config."""
+    await queue.publish_config()
     listener = await listening(queue)
-    silent, told = make_job(), make_job()
-    for job, extra in ((silent, []), (told, [keys.queue_wake(MODEL)])):
-        await redis.eval(lua_source("submit"), 3, keys.job(job.id), keys.queue(MODEL), keys.queue_seq(MODEL),
-                         job.model_dump_json(), 10_000, *extra)
-    assert await asyncio.wait_for(anext(listener), 1.0) == told.id
-    assert await queue_depth(queue, MODEL) == 2
+    job = make_job()
+    await redis.eval(lua_source("submit"), 4, keys.job(job.id), keys.queue(MODEL), keys.queue_seq(MODEL),
+                     keys.CONFIG, job.model_dump_json())
+    assert await asyncio.wait_for(anext(listener), 1.0) == job.id
+    assert await queue_depth(queue, MODEL) == 1
     await listener.aclose()
 
 

@@ -107,13 +107,18 @@ def test_garbage_pushed_into_redis_fails_cleanly_and_the_worker_keeps_serving(
     rng = random.Random(20251129)
     created, refused = [], 0
     with redis.Redis.from_url(redis_url) as r:
+        # The test's Redis was just flushed: the worker stores ts:config again at its next heartbeat.
+        deadline = time.monotonic() + 30
+        while not r.exists(keys.CONFIG):
+            assert time.monotonic() < deadline, "the worker did not restore ts:config"
+            time.sleep(0.05)
         for _ in range(NUM_FUZZED):
             job_id = secrets.token_urlsafe(12)
-            job_keys = [keys.job(job_id), keys.queue("tiny-rel"), keys.queue_seq("tiny-rel")]
+            job_keys = [keys.job(job_id), keys.queue("tiny-rel"), keys.queue_seq("tiny-rel"), keys.CONFIG]
             try:
-                reply = r.eval(SUBMIT_LUA, 3, *job_keys, fuzzed_submission(rng, job_id), 10_000)
+                reply = r.eval(SUBMIT_LUA, 4, *job_keys, fuzzed_submission(rng, job_id))
             except redis.ResponseError:
-                refused += 1  # submit.lua's own checks (not a JSON object, no string id, bad priority)
+                refused += 1  # submit.lua's own checks (not a JSON object, no string id, bad id or priority, keys)
                 continue
             assert reply[0] == b"created"
             created.append(job_id)
@@ -134,7 +139,7 @@ def test_garbage_pushed_into_redis_fails_cleanly_and_the_worker_keeps_serving(
     with redis.Redis.from_url(redis_url) as r:
         job_id = secrets.token_urlsafe(12)
         body = json.dumps({"id": job_id, "model": "tiny-rel", "prompt": "Still here?", "params": {"max_tokens": 5}})
-        r.eval(SUBMIT_LUA, 3, keys.job(job_id), keys.queue("tiny-rel"), keys.queue_seq("tiny-rel"), body, 10_000)
+        r.eval(SUBMIT_LUA, 4, keys.job(job_id), keys.queue("tiny-rel"), keys.queue_seq("tiny-rel"), keys.CONFIG, body)
         assert wait_terminal(r, [job_id], standing_worker) == {job_id: "succeeded"}
     assert standing_worker.proc is not None and standing_worker.proc.poll() is None
 

@@ -51,8 +51,8 @@ async def test_job_submitted_with_raw_redis_commands_is_completed(tiny_worker: W
     body = json.dumps({"id": job_id, "model": "tiny", "prompt": "Once upon a time",
                        "params": {"max_tokens": 12, "temperature": 0}})
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
-        reply = r.eval(LUA_SUBMIT.read_text(), 3, f"ts:job:{{{job_id}}}", "ts:queue:{tiny}",
-                       "ts:queue:{tiny}:seq", body, 10000)
+        reply = r.eval(LUA_SUBMIT.read_text(), 4, f"ts:job:{{{job_id}}}", "ts:queue:{tiny}",
+                       "ts:queue:{tiny}:seq", "ts:config", body)
         assert reply[0] == "created"
         deadline = time.monotonic() + 60
         while r.hget(f"ts:job:{{{job_id}}}", "status") not in ("succeeded", "failed"):
