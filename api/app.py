@@ -63,10 +63,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     if settings.redis_url is None:
         raise ValueError("redis_url: the API needs a Redis URL (run_api starts an embedded Redis when unset)")
-    # Each open SSE stream holds a pub/sub connection from this pool until it ends: redis-py's default cap
-    # (100) failed every stream past the hundredth with "Too many connections" (benchmarks/api_relay.py).
-    client = aioredis.Redis.from_url(settings.redis_url, health_check_interval=30,
-                                     max_connections=settings.redis_max_connections)
+    # A bounded pool: a burst of requests (10,000 streams opening at once) waits for a connection rather than
+    # opening one each; every open stream's live events come over one shared pub/sub connection
+    # (shared/live_channels.py), so open streams hold no connection of their own.
+    pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, health_check_interval=30,
+                                                    max_connections=settings.redis_max_connections, timeout=30)
+    client = aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
     queue = JobQueue(client, settings)
     app.state.resources = Resources(redis=client, queue=queue,
                                     catalog=ModelCatalog(queue, settings.served_model_name,
@@ -85,6 +87,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await queue.live_channels.aclose()
         await client.aclose()
 
 

@@ -52,7 +52,8 @@ class Settings(BaseSettings):
                                     "(from connecting, or from the first byte on a kept-alive connection); then 408")
     tokenize_threads: int = Field(2, ge=1, description="prompts tokenized at once, off the event loop")
     redis_max_connections: int = Field(
-        10_000, ge=16, description="API's Redis connections at most; each open stream holds one")
+        64, ge=4, description="API's Redis connections at most (a command waits for a free one); all open streams "
+        "share one of them for their live events")
 
     # --- worker / engine -----------------------------------------------------------------------------
     model: str = Field("smollm2", description="built-in name, local HF folder or .gguf file")

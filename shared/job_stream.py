@@ -12,10 +12,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
-from redis.asyncio.client import PubSub
 
 from shared import keys
-from shared.pubsub import TRANSIENT_ERRORS, close_quietly, subscribe_confirmed
+from shared.live_channels import RESYNC, LiveSubscription
+from shared.pubsub import TRANSIENT_ERRORS
 from shared.schemas import DoneEvent, ErrorEvent, RestartEvent, StreamEvent, TokenEvent
 
 if TYPE_CHECKING:
@@ -39,7 +39,8 @@ def entry_event(fields: dict[Any, Any]) -> dict[str, Any]:
 
 
 class JobStreamReader:
-    """One reader of one job's events: pub/sub for live delivery, the replay log for history and gaps."""
+    """One reader of one job's events: pub/sub for live delivery (the process's shared connection,
+    ``shared.live_channels``), the replay log for history and gaps."""
 
     def __init__(self, queue: ClientSide, job_id: str, after_seq: int) -> None:
         if not 0 <= after_seq <= MAX_EVENT_SEQ:
@@ -47,22 +48,16 @@ class JobStreamReader:
         self._queue = queue
         self._job_id = job_id
         self._last = after_seq
-        self._pubsub: PubSub | None = None
+        self._live: LiveSubscription | None = None
         self._more = False  # the last log page read was full: read on before waiting for live events
 
     async def subscribe(self) -> None:
-        pubsub = self._queue.redis.pubsub()
-        try:
-            await subscribe_confirmed(pubsub, keys.job_live(self._job_id))
-        except BaseException:
-            await close_quietly(pubsub)
-            raise
-        self._pubsub = pubsub
+        self._live = await self._queue.live_channels.subscribe(keys.job_live(self._job_id))
 
     async def close(self) -> None:
-        if self._pubsub is not None:
-            await close_quietly(self._pubsub)
-            self._pubsub = None
+        if self._live is not None:
+            live, self._live = self._live, None
+            await self._queue.live_channels.release(live)
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         """Replay after ``after_seq``, then live events, each seq once and in order.
@@ -88,7 +83,7 @@ class JobStreamReader:
                         return
                 if self._more:
                     pending = await self._replay()
-                elif self._pubsub is None:  # lost in a Redis outage: subscribe again, then catch up from the log
+                elif self._live is None:  # lost in a Redis outage: subscribe again, then catch up from the log
                     await self.subscribe()
                     pending = await self._replay_or_end()
                 else:
@@ -102,11 +97,11 @@ class JobStreamReader:
 
     async def _next_live(self) -> list[dict[str, Any]]:
         """The next events: the live message itself when it follows on, else what the log holds."""
-        assert self._pubsub is not None
-        msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=self._queue.poll_interval_s)
-        if msg is None:
+        assert self._live is not None
+        data = await self._live.get(self._queue.poll_interval_s)
+        if data is None or data is RESYNC:  # quiet, or reconnected: the log has whatever was missed
             return await self._replay_or_end()
-        raw: dict[str, Any] = json.loads(msg["data"])
+        raw: dict[str, Any] = json.loads(data)
         if raw["seq"] <= self._last + 1:
             return [raw]
         return await self._replay()

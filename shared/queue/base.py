@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.config import Settings
+from shared.live_channels import LiveChannels
 from shared.pubsub import as_text
 from shared.schemas import (
     JobRecord,
@@ -130,6 +131,7 @@ class QueueBase:
         # pub/sub message (a reconnect) costs at most this delay and a finished job never hangs a reader.
         self._poll_s = poll_interval_s
         self._ctx = json.dumps(script_config(settings))
+        self.live_channels = LiveChannels(redis, poll_interval_s)  # one pub/sub connection for every open stream
         self._cards_sent: set[str] = set()
 
     async def publish_config(self) -> None:

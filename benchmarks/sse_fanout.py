@@ -1,0 +1,153 @@
+"""How many open SSE streams one API process holds, and what each costs: memory and Redis connections.
+
+    .venv/bin/python benchmarks/sse_fanout.py [--streams 1000,10000]
+
+A real ``tokenspool api`` process on a private redis-server; jobs pushed with the shipped submit.lua (no worker:
+they stay queued, so every stream stays open and waits, as a client behind a long queue does). For each count,
+that many clients open ``GET /v1/jobs/{id}/events`` at once; once every job's live channel is subscribed the
+run reads the API process's RSS (/proc), Redis's client count and used memory, then closes the streams and
+checks that every channel was unsubscribed. Results: ``benchmarks/results/sse_fanout.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import read_cpu_info  # noqa: E402
+from shared import keys  # noqa: E402
+from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
+from shared.scripts import lua_source  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+MODEL = "fanout-bench"
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def _wait(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def _submit(r: redis.Redis, count: int) -> list[str]:
+    """Queued jobs, pushed as another backend would."""
+    submit = r.register_script(lua_source("submit"))
+    ids = [secrets.token_hex(16) for _ in range(count)]
+    pipe = r.pipeline(transaction=False)
+    for job_id in ids:
+        body = json.dumps({"id": job_id, "model": MODEL, "prompt": "waiting", "params": {"max_tokens": 1}})
+        submit(keys=[keys.job(job_id), keys.queue(MODEL), keys.queue_seq(MODEL), keys.CONFIG], args=[body],
+               client=pipe)
+    pipe.execute()
+    return ids
+
+
+async def _hold(base_url: str, ids: list[str], opened: asyncio.Event, release: asyncio.Event) -> int:
+    """Open one stream per job, keep them all open until ``release``; returns how many answered 200."""
+    limits = httpx.Limits(max_connections=len(ids) + 10, max_keepalive_connections=0)
+    ok = 0
+
+    async def one(client: httpx.AsyncClient, job_id: str) -> None:
+        nonlocal ok
+        async with client.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+            ok += response.status_code == 200
+            await release.wait()
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        tasks = [asyncio.create_task(one(client, job_id)) for job_id in ids]
+        opened.set()
+        await asyncio.gather(*tasks)
+    return ok
+
+
+def measure(base_url: str, api_pid: int, r: redis.Redis, streams: int) -> dict[str, Any]:
+    ids = _submit(r, streams)
+    rss_before = _rss_kib(api_pid)
+    used_before = int(r.info("memory")["used_memory"])
+
+    async def run() -> dict[str, Any]:
+        opened, release = asyncio.Event(), asyncio.Event()
+        holder = asyncio.create_task(_hold(base_url, ids, opened, release))
+        await opened.wait()
+        began = time.monotonic()
+        await asyncio.to_thread(_wait, lambda: len(r.pubsub_channels("ts:job:*:live")) >= streams, 600,
+                                "every stream subscribed")
+        row = {"streams": streams, "open_s": time.monotonic() - began,
+               "api_rss_mib": _rss_kib(api_pid) / 1024,
+               "api_kib_per_stream": (_rss_kib(api_pid) - rss_before) / streams,
+               "redis_clients": int(r.info("clients")["connected_clients"]),
+               "redis_pubsub_connections": sum(1 for c in r.client_list() if "P" in c["flags"]),
+               "redis_bytes_per_stream": (int(r.info("memory")["used_memory"]) - used_before) / streams}
+        release.set()
+        row["answered_200"] = await holder
+        await asyncio.to_thread(_wait, lambda: not r.pubsub_channels("ts:job:*:live"), 120, "every channel released")
+        return row
+
+    row = asyncio.run(run())
+    r.delete(keys.queue(MODEL), *(keys.job(i) for i in ids))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", default="1000,10000", help="comma-separated stream counts, one round each")
+    parser.add_argument("--out", type=Path, default=RESULTS / "sse_fanout.json")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tokenspool-fanout-") as tmp, \
+            RedisServer(Path(tmp) / "redis", appendonly=False) as server, \
+            redis.Redis.from_url(server.url, decode_responses=True) as r:
+        port = free_port()
+        env = {**os.environ, "TOKENSPOOL_REDIS_URL": server.url, "TOKENSPOOL_PORT": str(port),
+               "TOKENSPOOL_HOST": "127.0.0.1", "TOKENSPOOL_LOG_LEVEL": "WARNING",
+               "TOKENSPOOL_MAX_QUEUE_LENGTH": "100000"}
+        api = subprocess.Popen([sys.executable, "-m", "shared.launcher.cli", "api"], env=env, cwd=ROOT)
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            _wait(lambda: r.exists(keys.CONFIG), 60, "the API stored ts:config")
+            measure(base_url, api.pid, r, 50)  # warm-up
+            for count in (int(c) for c in args.streams.split(",")):
+                row = measure(base_url, api.pid, r, count)
+                rows.append(row)
+                print(f"{count} streams: API {row['api_rss_mib']:.0f} MiB RSS ({row['api_kib_per_stream']:.1f} KiB "
+                      f"per stream), {row['redis_pubsub_connections']} pub/sub connection(s), "
+                      f"{row['redis_clients']} Redis clients in all, {row['redis_bytes_per_stream']:.0f} Redis bytes "
+                      f"per stream, opened in {row['open_s']:.1f} s", flush=True)
+        finally:
+            api.terminate()
+            api.wait(30)
+    result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": read_cpu_info().describe(),
+              "load_average_1m": os.getloadavg()[0], "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""Live event channels of many jobs over one pub/sub connection per process.
+
+Every open stream of a job needs that job's live channel. One connection per stream would cost a Redis connection
+(and a file descriptor on both sides) per SSE client: 10,000 streams, 10,000 connections. Here one listener task
+owns one ``PubSub`` connection, subscribes each channel once however many readers want it, and hands each
+message to every reader of its channel through a small bounded buffer.
+
+Pub/sub stays a fast path only: a reader whose buffer is full loses live messages (it sees a gap and reads the
+job's log), and after a reconnect every reader gets ``RESYNC`` once its channel is subscribed again, so it
+re-reads the log. A subscription is confirmed by Redis before ``subscribe`` returns, so a reader that replays the
+log afterwards cannot miss an event published in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.pubsub import SUBSCRIBE_TIMEOUT_S, TRANSIENT_ERRORS, as_text, close_quietly
+
+log = logging.getLogger(__name__)
+
+# Live messages buffered per reader; a reader further behind than this reads the log instead.
+READER_BUFFER = 256
+
+
+class Resync:
+    """The connection was re-established: live messages may have been lost, read the log."""
+
+
+RESYNC: Final = Resync()
+
+
+class LiveSubscription:
+    """One reader's view of one channel: its messages (raw data) in order, ``RESYNC`` after a reconnect."""
+
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+        self._items: asyncio.Queue[Any] = asyncio.Queue(READER_BUFFER)
+
+    def deliver(self, item: Any) -> None:
+        """Buffer one item; a full buffer drops it (the reader finds the gap and reads the log)."""
+        with suppress(asyncio.QueueFull):
+            self._items.put_nowait(item)
+
+    async def get(self, timeout_s: float) -> Any:
+        """The next message's data, ``RESYNC``, or None after ``timeout_s`` without either."""
+        try:
+            return await asyncio.wait_for(self._items.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+
+@dataclass
+class _Channel:
+    """A subscribed channel: its readers, whether Redis confirmed the subscription, and whether its readers
+    must be told to resync once it does (a resubscription after a reconnect)."""
+
+    confirmed: asyncio.Event = field(default_factory=asyncio.Event)
+    readers: set[LiveSubscription] = field(default_factory=set)
+    resync: bool = False
+
+
+class LiveChannels:
+    """The process's one pub/sub connection for job live channels, and the task that reads it. The task starts
+    with the first subscription and ends (closing the connection) once no channel has been wanted for
+    ``idle_s``."""
+
+    def __init__(self, redis: Redis, idle_s: float) -> None:
+        self._redis = redis
+        self._idle_s = idle_s
+        self._channels: dict[str, _Channel] = {}
+        self._pubsub: PubSub | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._wanted = asyncio.Event()  # set while the connection has channels to read
+        # One command at a time: concurrent first commands would each open a connection (redis-py's PubSub
+        # connects lazily), and an UNSUBSCRIBE must reach Redis before a later SUBSCRIBE of the same channel.
+        self._send = asyncio.Lock()
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._channels)
+
+    async def aclose(self) -> None:
+        """Stop the listener and close the connection (process shutdown); readers left fall back to the log."""
+        if self._listener is not None:
+            self._listener.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._listener
+
+    async def subscribe(self, channel: str) -> LiveSubscription:
+        """A new reader of ``channel``, returned once Redis has confirmed the subscription."""
+        reader = LiveSubscription(channel)
+        state = self._channels.get(channel)
+        if state is None:
+            state = self._channels[channel] = _Channel()
+            try:
+                async with self._send:
+                    await self._connection().subscribe(channel)
+            except BaseException:
+                self._forget(channel, state)
+                raise
+            self._wanted.set()
+        state.readers.add(reader)
+        try:
+            async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+                await state.confirmed.wait()
+        except TimeoutError:
+            await self.release(reader)
+            raise RedisTimeoutError(f"no confirmation of SUBSCRIBE {channel} within {SUBSCRIBE_TIMEOUT_S} s") from None
+        except BaseException:
+            await self.release(reader)
+            raise
+        return reader
+
+    async def release(self, reader: LiveSubscription) -> None:
+        """The reader is done; the channel is unsubscribed when it was the last one."""
+        state = self._channels.get(reader.channel)
+        if state is None or reader not in state.readers:
+            return
+        state.readers.discard(reader)
+        if state.readers:
+            return
+        self._forget(reader.channel, state)
+        async with self._send:
+            if self._pubsub is not None and reader.channel not in self._channels:
+                with suppress(*TRANSIENT_ERRORS):
+                    await self._pubsub.unsubscribe(reader.channel)
+
+    def _forget(self, channel: str, state: _Channel) -> None:
+        if self._channels.get(channel) is state and not state.readers:
+            del self._channels[channel]
+
+    def _connection(self) -> PubSub:
+        """The pub/sub connection, and its listener task, started on first use."""
+        if self._pubsub is None:
+            self._pubsub = self._redis.pubsub()
+        if self._listener is None:
+            self._listener = asyncio.get_running_loop().create_task(self._listen(), name="live-channels")
+        return self._pubsub
+
+    async def _listen(self) -> None:
+        """Read the connection and dispatch; reconnect after an error; end after ``idle_s`` without channels."""
+        try:
+            while True:
+                if not self._channels:
+                    self._wanted.clear()
+                    with suppress(TimeoutError):
+                        async with asyncio.timeout(self._idle_s):
+                            await self._wanted.wait()
+                    if not self._channels:
+                        return
+                try:
+                    await self._wanted.wait()
+                    assert self._pubsub is not None
+                    message = await self._pubsub.get_message(timeout=self._idle_s)
+                    if message is not None:
+                        self._dispatch(message)
+                except TRANSIENT_ERRORS as exc:
+                    log.warning("live channels lost Redis (%s); resubscribing %d channels", exc, len(self._channels))
+                    await self._reconnect()
+        finally:
+            pubsub, self._pubsub, self._listener = self._pubsub, None, None
+            if pubsub is not None:
+                await close_quietly(pubsub)
+
+    async def _reconnect(self) -> None:
+        """A new connection subscribed to every wanted channel; their readers resync once it is confirmed."""
+        if self._pubsub is not None:
+            await close_quietly(self._pubsub)
+        self._pubsub = self._redis.pubsub()
+        self._wanted.clear()
+        for state in self._channels.values():
+            state.confirmed.clear()
+            state.resync = True
+        while self._channels:
+            try:
+                async with self._send:
+                    await self._pubsub.subscribe(*self._channels)
+                self._wanted.set()
+                return
+            except TRANSIENT_ERRORS:
+                await asyncio.sleep(self._idle_s / 4)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        state = self._channels.get(as_text(message["channel"]))
+        if state is None:
+            return
+        kind = as_text(message["type"])
+        if kind == "message":
+            for reader in state.readers:
+                reader.deliver(message["data"])
+        elif kind == "subscribe":
+            state.confirmed.set()
+            if state.resync:
+                state.resync = False
+                for reader in state.readers:
+                    reader.deliver(RESYNC)
