@@ -173,7 +173,24 @@ def _params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | No
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "seed": body.seed, "stop": stop, "stop_token_ids": tuple(body.stop_token_ids or ()) or None,
         "ignore_eos": body.ignore_eos, "min_tokens": body.min_tokens, "logprobs": logprobs,
+        **_beam_fields(body),
     })
+
+
+def _beam_fields(body: SamplingRequest) -> dict[str, object]:
+    """vLLM's ``use_beam_search``: a beam search of width ``n`` that returns all n beams. Streaming it is refused
+    (the beams are only known when the search ends; vLLM refuses it too), and so are its knobs without it."""
+    if not body.use_beam_search:
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(body, name) is not None:
+                raise invalid_request(f"{name} needs use_beam_search: true", param=name)
+        return {}
+    if body.stream:
+        raise invalid_request("beam search cannot be streamed: its beams are only known when the search ends; "
+                              "send stream: false", param="stream")
+    if body.n < 2:
+        raise invalid_request("use_beam_search needs n >= 2 (n is the beam width)", param="n")
+    return {"beam_width": body.n, "length_penalty": body.length_penalty, "early_stopping": body.early_stopping}
 
 
 def _chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
