@@ -68,12 +68,14 @@ def likely_token(model: torch.nn.Module, prompt: list[int]) -> int:
 
 
 def run_mixed(engine: Engine, cases: dict[str, Case], others: dict[str, tuple[list[int], SamplingParams]]) -> Run:
-    """Every beam search and ordinary request in one engine at once; checks that the blocks all end free."""
-    for name, case in cases.items():
-        engine.add_request_group([f"{name}#{i}" for i in range(case.width)], case.prompt, beam_params(case))
+    """Ordinary requests, then (one step later, so their prompt blocks are cached) every beam search beside them;
+    checks that the blocks all end free."""
     for name, (prompt, params) in others.items():
         engine.add_request(name, prompt, params)
     run = Run()
+    run.record(engine.step())
+    for name, case in cases.items():
+        engine.add_request_group([f"{name}#{i}" for i in range(case.width)], case.prompt, beam_params(case))
     while engine.has_unfinished():
         run.record(engine.step())
         run.num_steps += 1
@@ -178,5 +180,6 @@ def test_smollm2_beams_and_scores_match_generate(smollm2: Path) -> None:
     run = run_mixed(engine, cases, others)
     for name, case in cases.items():
         check_beams(run, model, name, case)
+    assert any(run.finished[f"fr#{i}"].finish_reason == "stop" for i in range(4)), "no beam ended on its EOS"
     assert run.token_ids["plain"] == reference_greedy(model, *others["plain"])
     assert engine.stats().prefix_cache_hits > 0
