@@ -56,7 +56,7 @@ class SamplingRequest(_Request):
     # vLLM's beam-search extras: n is the beam width and the n beams come back as the choices, best first.
     use_beam_search: bool = False
     length_penalty: float | None = None
-    early_stopping: bool | Literal["never"] | None = None
+    early_stopping: bool | str | None = None  # true, false or "never" (checked by GenerationParams)
 
 
 class CompletionRequest(SamplingRequest):

@@ -78,6 +78,13 @@ class GenerationParams(_Wire):
                                   description="beam score = sum of log-probs / length ** length_penalty")
     early_stopping: bool | Literal["never"] = Field(False, description='transformers\' meaning: true, false, "never"')
 
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping_value(cls, value: Any) -> Any:
+        if value is True or value is False or value == "never":
+            return value
+        raise ValueError('must be true, false or "never"')
+
     @model_validator(mode="before")
     @classmethod
     def _beam_search_is_greedy(cls, data: Any) -> Any:

@@ -34,6 +34,7 @@ from api.sse import EventStreamResponse
 from api.submission import (
     build_params,
     build_submission,
+    check_beam_search,
     check_caps,
     check_length,
     count_prompt_tokens,
@@ -85,6 +86,7 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
                               param="prompt")
     model = await resolve_model(catalog, body.model)
     params = _params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    check_beam_search(settings, params, param="n")
     submissions = []
     for prompt, prompt_token_ids in prompts:
         num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
@@ -121,6 +123,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_tokens = requested_max or default_max_tokens(settings, model, num_prompt_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, max_tokens=max_tokens, logprobs=logprobs)
+    check_beam_search(settings, params, param="n")
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages")
     job_id = new_job_id()
     submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,

@@ -6,39 +6,15 @@ ordinary requests that share their prompt's prefix (prefix caching, chunked pref
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.engine.helpers import Run, reference_greedy
+from tests.engine.helpers import Case, Run, pad_id, reference_beams, reference_greedy
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.kv_cache import num_blocks_needed
-
-
-@dataclass(frozen=True)
-class Case:
-    prompt: list[int]
-    width: int
-    max_tokens: int
-    length_penalty: float
-    early_stopping: bool | str
-    eos: int | None  # a token that ends a hypothesis (the model's EOS for transformers), or none at all
-
-
-def reference_beams(model: torch.nn.Module, case: Case) -> list[tuple[list[int], float]]:
-    """transformers' k beams (tokens after the prompt, padding dropped) and scores, best first."""
-    input_ids = torch.tensor([case.prompt])
-    pad = case.eos if case.eos is not None else 1  # transformers pads with eos when pad is 0
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                         num_beams=case.width, num_return_sequences=case.width, max_new_tokens=case.max_tokens,
-                         length_penalty=case.length_penalty, early_stopping=case.early_stopping,
-                         eos_token_id=case.eos if case.eos is not None else [], pad_token_id=pad,
-                         return_dict_in_generate=True, output_scores=True)
-    rows = out.sequences[:, len(case.prompt):].tolist()
-    return list(zip(rows, out.sequences_scores.tolist(), strict=True))
 
 
 def beam_params(case: Case) -> SamplingParams:
@@ -53,7 +29,7 @@ def check_beams(run: Run, model: torch.nn.Module, name: str, case: Case) -> None
     for i, (ref_tokens, ref_score) in enumerate(expected):
         event = run.finished[f"{name}#{i}"]
         tokens = run.token_ids[f"{name}#{i}"]
-        pad = case.eos if case.eos is not None else 1  # transformers pads with eos when pad is 0
+        pad = pad_id(case)
         assert ref_tokens[:len(tokens)] == tokens and set(ref_tokens[len(tokens):]) <= {pad}, f"{name} beam {i}"
         assert event.beam_score == pytest.approx(ref_score, abs=1e-4), f"{name} beam {i} score"
         ends_on_eos = case.eos is not None and tokens[-1] == case.eos
