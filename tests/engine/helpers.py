@@ -58,6 +58,7 @@ class Case:
     length_penalty: float
     early_stopping: bool | str
     eos: int | None  # a token that ends a hypothesis (the model's EOS for transformers), or none at all
+    min_tokens: int = 0
 
 
 def pad_id(case: Case) -> int:
@@ -73,6 +74,7 @@ def reference_beams(model: torch.nn.Module, case: Case) -> list[tuple[list[int],
                          num_beams=case.width, num_return_sequences=case.width, max_new_tokens=case.max_tokens,
                          length_penalty=case.length_penalty, early_stopping=case.early_stopping,
                          eos_token_id=case.eos if case.eos is not None else [], pad_token_id=pad,
+                         min_new_tokens=case.min_tokens or None,
                          return_dict_in_generate=True, output_scores=True)
     rows = out.sequences[:, len(case.prompt):].tolist()
     return list(zip(rows, out.sequences_scores.tolist(), strict=True))

@@ -5,6 +5,7 @@ ordinary requests that share their prompt's prefix (prefix caching, chunked pref
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -21,7 +22,8 @@ def beam_params(case: Case) -> SamplingParams:
     """The engine's spelling of ``case``: its EOS as the only stop token (ignore_eos drops the model's own)."""
     return SamplingParams(temperature=0.0, beam_width=case.width, max_tokens=case.max_tokens,
                           length_penalty=case.length_penalty, early_stopping=case.early_stopping,
-                          stop_token_ids=(case.eos,) if case.eos is not None else (), ignore_eos=True)
+                          stop_token_ids=(case.eos,) if case.eos is not None else (), ignore_eos=True,
+                          min_tokens=case.min_tokens)
 
 
 def check_beams(run: Run, model: torch.nn.Module, name: str, case: Case) -> None:
@@ -73,6 +75,7 @@ def test_tiny_model_widths_2_to_8_match_generate(tiny_llama: Path) -> None:
             cases[f"w{width}{'e' if with_eos else ''}"] = Case(
                 prompt, width, rng.randint(4, 9), length_penalty, early_stopping,
                 likely_token(model, prompt) if with_eos else None)
+    cases["w5m"] = dataclasses.replace(cases["w5e"], min_tokens=3)  # EOS held off for 3 tokens (min_new_tokens)
     others = {f"g{i}": (shared[:rng.randint(4, 20)] + [rng.randrange(3, 49152)],
                         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for i in range(6)}
     engine = Engine(EngineConfig(dtype="float32", model=str(tiny_llama), block_size=8, num_kv_blocks=40,
@@ -114,6 +117,21 @@ def test_abort_ends_the_whole_group_and_frees_its_blocks(tiny_llama: Path) -> No
     assert engine.stats().num_free_blocks < 64
     assert engine.abort("a#1") and not engine.abort("a#0") and not engine.abort("a#0/beam0")
     assert not engine.has_unfinished() and engine.stats().num_free_blocks == 64
+
+
+def test_logprobs_of_each_beam_add_up_to_its_score(tiny_llama: Path) -> None:
+    engine = Engine(EngineConfig(dtype="float32", model=str(tiny_llama), block_size=4, num_kv_blocks=64,
+                                 max_num_seqs=8))
+    engine.add_request_group(["p#0", "p#1", "p#2"], list(range(40, 52)), SamplingParams(
+        temperature=0.0, beam_width=3, max_tokens=5, ignore_eos=True, logprobs=2, length_penalty=1.0))
+    run = Run()
+    while engine.has_unfinished():
+        run.record(engine.step())
+    for i in range(3):
+        event = run.finished[f"p#{i}"]
+        assert [lp.token_id for lp in event.logprobs] == run.token_ids[f"p#{i}"]
+        assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in event.logprobs)
+        assert event.beam_score == pytest.approx(sum(lp.logprob for lp in event.logprobs) / 5, abs=1e-4)
 
 
 @pytest.mark.parametrize("fields, name", [
