@@ -142,6 +142,8 @@ class Scheduler:
             if members:  # the rest of a preempted beam group comes back with it; they get tokens from next step on
                 self._remove_waiting(members)
                 for member in members:
+                    if self.pool.enable_caching:
+                        self._apply_prefix_cache(member)  # the blocks it held before keep their hashes
                     self.adopt(member)
 
     def adopt(self, request: Request) -> None:
