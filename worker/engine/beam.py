@@ -64,6 +64,9 @@ class BeamSearchState:
                 logprobs: Sequence[Sequence[Logprob]]) -> BeamStep:
         """One step. ``logits``: [L, V] of the live beams; ``outputs``/``logprobs``: what each has generated."""
         raw = torch.log_softmax(logits.float(), dim=-1)  # [L, V]
+        device = raw.device
+        self.running_scores = self.running_scores.to(device)  # the state follows the logits' device
+        self.finished_scores = self.finished_scores.to(device)
         num_generated = len(outputs[0])
         log_probs = raw
         if num_generated < self.min_tokens and self.stop_token_ids:  # transformers' MinNewTokensLength processor
@@ -75,7 +78,7 @@ class BeamSearchState:
         parents = (top_index // vocab_size).tolist()
         tokens = (top_index % vocab_size).tolist()
         stops = set(self.stop_token_ids)
-        hits = torch.tensor([t in stops or num_generated + 1 >= self.max_tokens for t in tokens])  # [C] bool
+        hits = torch.tensor([t in stops or num_generated + 1 >= self.max_tokens for t in tokens], device=device)  # [C]
         candidate_logprobs = self._candidate_logprobs(raw, parents, tokens)
 
         running = top_scores + hits.to(torch.float32) * SENTINEL
@@ -97,12 +100,13 @@ class BeamSearchState:
                          parents: list[int], tokens: list[int], outputs: Sequence[Sequence[int]],
                          logprobs: Sequence[Sequence[Logprob]], candidate_logprobs: list[Logprob | None]) -> None:
         """transformers' ``_update_finished_beams``: stopping candidates among the top k enter the finished slots."""
-        is_top = torch.arange(len(tokens)) < self.width
+        device = top_scores.device
+        is_top = torch.arange(len(tokens), device=device) < self.width
         just_finished = hits & is_top
         scores = top_scores / ((num_generated + 1) ** self.length_penalty)
         all_full = all(h.finished for h in self.finished) and self.early_stopping is True
-        scores = scores + torch.tensor(float(all_full)) * SENTINEL
-        scores = scores + torch.tensor(float(not self.improvable)) * SENTINEL
+        scores = scores + torch.tensor(float(all_full), device=device) * SENTINEL
+        scores = scores + torch.tensor(float(not self.improvable), device=device) * SENTINEL
         scores = scores + (~just_finished) * SENTINEL
         merged = torch.cat((self.finished_scores, scores))  # [k + C]
         order = merged.topk(self.width).indices.tolist()
@@ -124,7 +128,7 @@ class BeamSearchState:
         never = self.early_stopping == "never" and self.length_penalty > 0.0
         best_length = self.max_tokens if never else num_generated  # "never": the longest possible beam
         best_running = self.running_scores[:1] / (best_length ** self.length_penalty)
-        is_finished = torch.tensor([h.finished for h in self.finished])
+        is_finished = torch.tensor([h.finished for h in self.finished], device=self.finished_scores.device)
         worst_finished = torch.where(is_finished, self.finished_scores.min(), SENTINEL)
         self.improvable = self.improvable and bool(torch.any(best_running > worst_finished))
 
