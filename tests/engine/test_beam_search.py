@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.engine.helpers import Case, Run, pad_id, reference_beams, reference_greedy
+from tests.engine.helpers import Case, Run, pad_id, poison_token, reference_beams, reference_greedy
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.kv_cache import num_blocks_needed
 
@@ -132,6 +132,21 @@ def test_logprobs_of_each_beam_add_up_to_its_score(tiny_llama: Path) -> None:
         assert [lp.token_id for lp in event.logprobs] == run.token_ids[f"p#{i}"]
         assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in event.logprobs)
         assert event.beam_score == pytest.approx(sum(lp.logprob for lp in event.logprobs) / 5, abs=1e-4)
+
+
+def test_a_beam_group_with_nan_logits_fails_alone(tiny_llama: Path) -> None:
+    engine = Engine(EngineConfig(dtype="float32", model=str(tiny_llama), block_size=4, num_kv_blocks=64,
+                                 max_num_seqs=8))
+    poison_token(engine, 77)
+    engine.add_request_group(["bad#0", "bad#1"], [5, 77, 6], SamplingParams(temperature=0.0, beam_width=3))
+    engine.add_request("good", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    run = Run()
+    while engine.has_unfinished():
+        run.record(engine.step())
+    assert [run.finished[f"bad#{i}"].finish_reason for i in range(2)] == ["error", "error"]
+    assert "not finite" in (run.finished["bad#0"].error or "")
+    assert run.finished["good"].finish_reason == "length" and len(run.token_ids["good"]) == 4
+    assert engine.stats().num_free_blocks == 64
 
 
 @pytest.mark.parametrize("fields, name", [

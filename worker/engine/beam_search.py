@@ -103,7 +103,7 @@ class BeamSearch:
             if group is None:
                 others.append(i)
                 continue
-            group.pending[chunk.request_id] = logits[i]
+            group.pending[chunk.request_id] = logits[i].clone()  # not a view: the step's logits may go
             touched[id(group)] = group
         events: list[StepOutput] = []
         for group in touched.values():
@@ -161,9 +161,13 @@ class BeamSearch:
     def _finish(self, group: BeamGroup) -> list[StepOutput]:
         beam0 = group.beams[0]
         hypotheses = group.state.best(len(group.output_ids))
+        try:
+            outputs = [self._output(output_id, beam0, h, group.stop_token_ids)
+                       for output_id, h in zip(group.output_ids, hypotheses, strict=True)]
+        except Exception as exc:  # the detokenizer on a token it cannot decode: this group's fault alone
+            return self._fail(group, f"detokenizing failed: {type(exc).__name__}: {exc}"[:500])
         self._end(group)
-        return [self._output(output_id, beam0, h, group.stop_token_ids)
-                for output_id, h in zip(group.output_ids, hypotheses, strict=True)]
+        return outputs
 
     def _output(self, output_id: str, beam0: Request, hypothesis: Hypothesis, stop_ids: frozenset[int]
                 ) -> StepOutput:
