@@ -53,6 +53,10 @@ class SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     priority: int = Field(0, description="higher runs first")
     background: bool = Field(False, description="keep generating when the client disconnects")
+    # vLLM's beam-search extras: n is the beam width and the n beams come back as the choices, best first.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None  # true, false or "never" (checked by GenerationParams)
 
 
 class CompletionRequest(SamplingRequest):

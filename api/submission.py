@@ -52,6 +52,19 @@ def check_caps(settings: Settings, *, max_tokens: int | None, n: int) -> None:
         raise invalid_request(f"n must be between 1 and {settings.max_n}, got {n}", param="n")
 
 
+def check_beam_search(settings: Settings, params: GenerationParams, *, param: str) -> None:
+    """What the workers' engines (same settings) cannot run: beams beyond their seats, or beside speculative
+    decoding. ``param`` names the field that asked for beam search (``beam_width``; ``n`` for the OpenAI routes)."""
+    if params.beam_width <= 1:
+        return
+    if settings.speculative:
+        raise invalid_request(f"beam search is not available on workers running speculative decoding "
+                              f"({settings.speculative!r}); remove {param}", param=param)
+    if params.beam_width > settings.max_num_seqs:
+        raise invalid_request(f"beam width must be at most max_num_seqs ({settings.max_num_seqs}), got "
+                              f"{params.beam_width}", param=param)
+
+
 def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str | None:
     """The model's chat template applied to ``messages`` (None when the model has no card yet)."""
     if model.card is None:

@@ -64,9 +64,46 @@ SAMPLING_RANGES: MappingProxyType[str, Range] = MappingProxyType({
     "min_tokens": Range(0, MAX_INT),  # and at most max_tokens
     "logprobs": Range(0, 20),
     "stop_token_ids": Range(0, MAX_INT),  # each id; the engine also checks them against its vocabulary
+    # Beam search (issue 21): beams a request keeps (1 = off); each beam is one running sequence in the engine, so
+    # it is also capped by the engine's max_num_seqs. length_penalty is transformers' exponent on the length.
+    "beam_width": Range(1, 64),
+    "length_penalty": Range(-10.0, 10.0),
 })
 
 
 def is_greedy(temperature: float) -> bool:
     """Whether a request with this temperature is sampled greedily (argmax)."""
     return temperature < GREEDY_BELOW_TEMPERATURE
+
+
+# Beam search: transformers' ``early_stopping`` values (True: stop once beam_width hypotheses are finished; False: stop
+# when no running beam can beat them by the length heuristic; "never": only the canonical bound stops the search).
+EARLY_STOPPING_VALUES: tuple[bool | str, ...] = (True, False, "never")
+# Per-token alternatives a beam-search request may ask for (OpenAI's cap for completions logprobs).
+MAX_BEAM_LOGPROBS = 5
+
+
+def beam_search_conflict(fields: dict[str, object]) -> tuple[str, str] | None:
+    """``(field, why)`` for the first sampling field a beam-search request (``beam_width > 1``) may not set, else None.
+
+    Beam search is deterministic: it ranks continuations by their log-probabilities, so it takes no temperature,
+    no filter of the distribution, no penalty and no stop strings (a hypothesis ends on EOS, a stop token id or the
+    length); and at most ``MAX_BEAM_LOGPROBS`` alternatives per token. One rule for the API and the engine.
+    """
+    if int(fields.get("beam_width", 1) or 1) <= 1:  # type: ignore[call-overload]
+        return None
+    neutral: dict[str, object] = {"top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                  "frequency_penalty": 0.0}
+    if not is_greedy(float(fields.get("temperature", 1.0))):  # type: ignore[arg-type]
+        return "temperature", f"must be 0 with beam search (below {GREEDY_BELOW_TEMPERATURE})"
+    for name, value in neutral.items():
+        if fields.get(name, value) != value:
+            return name, f"must be {value} (off) with beam search"
+    if fields.get("top_k", 0) not in (0, -1):
+        return "top_k", "must be 0 or -1 (off) with beam search"
+    if fields.get("stop"):
+        return "stop", "is not supported with beam search (use stop_token_ids)"
+    logprobs = fields.get("logprobs")
+    if logprobs is not None and int(logprobs) > MAX_BEAM_LOGPROBS:  # type: ignore[call-overload]
+        return "logprobs", f"must be at most {MAX_BEAM_LOGPROBS} with beam search"
+    return None

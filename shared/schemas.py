@@ -11,8 +11,9 @@ from enum import Enum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from shared.sampling import GREEDY_BELOW_TEMPERATURE, SAMPLING_RANGES
+from shared.sampling import GREEDY_BELOW_TEMPERATURE, SAMPLING_RANGES, beam_search_conflict
 
 SCHEMA_VERSION = 1
 
@@ -71,6 +72,35 @@ class GenerationParams(_Wire):
                             description="tokens to generate at least (EOS and stop strings wait)")
     logprobs: int | None = Field(None, **_bounds("logprobs"),
                                  description="None = off; 0 = chosen token; N = top-N too")
+    beam_width: int = Field(1, **_bounds("beam_width"),
+                            description="beam search with this many beams when > 1 (temperature 0, no filters)")
+    length_penalty: float = Field(1.0, **_bounds("length_penalty"),
+                                  description="beam score = sum of log-probs / length ** length_penalty")
+    early_stopping: bool | Literal["never"] = Field(False, description='transformers\' meaning: true, false, "never"')
+
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping_value(cls, value: Any) -> Any:
+        if value is True or value is False or value == "never":
+            return value
+        raise ValueError('must be true, false or "never"')
+
+    @model_validator(mode="before")
+    @classmethod
+    def _beam_search_is_greedy(cls, data: Any) -> Any:
+        """Beam search is deterministic: an unset temperature is 0 there (a set one above 0 is refused)."""
+        if isinstance(data, dict) and "temperature" not in data and isinstance(data.get("beam_width"), int) \
+                and data["beam_width"] > 1:
+            return {**data, "temperature": 0.0}
+        return data
+
+    @model_validator(mode="after")
+    def _beam_search_alone(self) -> GenerationParams:
+        conflict = beam_search_conflict(dict(self))
+        if conflict is not None:
+            name, why = conflict
+            raise PydanticCustomError("beam_search", f"{name} {why}", {"param": name, "code": "invalid_value"})
+        return self
 
     @field_validator("min_tokens")
     @classmethod
@@ -118,6 +148,10 @@ class JobSubmission(_Wire):
             raise ValueError("prompt must not be empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if self.n > self.params.beam_width > 1:
+            raise PydanticCustomError("beam_search", f"n (returned beams) must be at most beam_width "
+                                      f"({self.params.beam_width}) with beam search",
+                                      {"param": "n", "code": "invalid_value"})
         return self
 
 
@@ -169,6 +203,7 @@ class Choice(_Wire):
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     spec_decode: SpecDecodeStats | None = None
+    beam_score: float | None = Field(None, description="beam search: sum of log-probs / length ** length_penalty")
 
 
 class JobResult(_Wire):

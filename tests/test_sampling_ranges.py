@@ -19,7 +19,7 @@ from worker.engine import SamplingParams
 NOT_SAMPLING = {"model", "n", "stream", "stream_options", "logit_bias", "user", "priority", "background", "prompt",
                 "echo", "suffix", "best_of", "messages", "max_completion_tokens", "top_logprobs", "tools",
                 "response_format", "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities",
-                "audio", "reasoning_effort", "prediction", "web_search_options"}
+                "audio", "reasoning_effort", "prediction", "web_search_options", "use_beam_search"}
 FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 
 
@@ -41,6 +41,7 @@ def test_both_sides_refuse_just_outside_each_range_and_accept_its_ends(name: str
     inside = [allowed.high] + ([] if allowed.low_open else [allowed.low])
     wrap = (lambda v: (v,)) if name == "stop_token_ids" else (lambda v: v)
     extra = {"max_tokens": SAMPLING_RANGES["max_tokens"].high} if name == "min_tokens" else {}
+    extra = {"temperature": 0.0} if name == "beam_width" else extra  # beam search is greedy
     for value in outside:
         with pytest.raises(ValidationError, match=name):
             GenerationParams(**{name: wrap(value)})

@@ -77,6 +77,7 @@ class ChoiceState:
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    beam_score: float | None = None
     first_token_at: float | None = None  # time.monotonic() of the step that produced the first/latest token
     last_token_at: float | None = None
 
@@ -125,6 +126,8 @@ class ActiveJob:
         choice.num_cached_tokens = out.num_cached_tokens
         choice.num_draft_tokens += out.num_draft_tokens
         choice.num_accepted_tokens += out.num_accepted_tokens
+        if out.beam_score is not None:
+            choice.beam_score = out.beam_score
         if out.finished:
             choice.finish_reason = out.finish_reason or "stop"
         if not out.text_delta and not out.new_token_ids:
@@ -147,7 +150,7 @@ class ActiveJob:
                    logprobs=c.logprobs,
                    spec_decode=SpecDecodeStats(num_draft_tokens=c.num_draft_tokens,
                                                num_accepted_tokens=c.num_accepted_tokens)
-                   if c.num_draft_tokens else None)
+                   if c.num_draft_tokens else None, beam_score=c.beam_score)
             for i, c in enumerate(self.choices)
         ]
         first = self.choices[0]

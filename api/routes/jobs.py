@@ -24,6 +24,7 @@ from api.relay import JobRelay
 from api.sse import EventStreamResponse, format_event
 from api.submission import (
     build_submission,
+    check_beam_search,
     check_caps,
     check_length,
     count_prompt_tokens,
@@ -133,6 +134,7 @@ async def _prepare(settings: Settings, model: ServedModel, options: _JobOptions,
                    prompt: str | None = None, messages: list[ChatMessage] | None = None,
                    prompt_token_ids: list[int] | None = None, idempotency_key: str | None = None) -> JobSubmission:
     params = options.params()
+    check_beam_search(settings, params, param="beam_width")
     num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                             messages=messages)
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages" if messages else "prompt")

@@ -34,6 +34,7 @@ from api.sse import EventStreamResponse
 from api.submission import (
     build_params,
     build_submission,
+    check_beam_search,
     check_caps,
     check_length,
     count_prompt_tokens,
@@ -85,6 +86,7 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
                               param="prompt")
     model = await resolve_model(catalog, body.model)
     params = _params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    check_beam_search(settings, params, param="n")
     submissions = []
     for prompt, prompt_token_ids in prompts:
         num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
@@ -121,6 +123,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_tokens = requested_max or default_max_tokens(settings, model, num_prompt_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, max_tokens=max_tokens, logprobs=logprobs)
+    check_beam_search(settings, params, param="n")
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages")
     job_id = new_job_id()
     submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,
@@ -173,7 +176,24 @@ def _params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | No
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "seed": body.seed, "stop": stop, "stop_token_ids": tuple(body.stop_token_ids or ()) or None,
         "ignore_eos": body.ignore_eos, "min_tokens": body.min_tokens, "logprobs": logprobs,
+        **_beam_fields(body),
     })
+
+
+def _beam_fields(body: SamplingRequest) -> dict[str, object]:
+    """vLLM's ``use_beam_search``: a beam search of width ``n`` that returns all n beams. Streaming it is refused
+    (the beams are only known when the search ends; vLLM refuses it too), and so are its knobs without it."""
+    if not body.use_beam_search:
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(body, name) is not None:
+                raise invalid_request(f"{name} needs use_beam_search: true", param=name)
+        return {}
+    if body.stream:
+        raise invalid_request("beam search cannot be streamed: its beams are only known when the search ends; "
+                              "send stream: false", param="stream")
+    if body.n < 2:
+        raise invalid_request("use_beam_search needs n >= 2 (n is the beam width)", param="n")
+    return {"beam_width": body.n, "length_penalty": body.length_penalty, "early_stopping": body.early_stopping}
 
 
 def _chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:

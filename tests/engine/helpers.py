@@ -50,6 +50,36 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], params: Sampling
     return out[0, len(prompt):].tolist()
 
 
+@dataclass(frozen=True)
+class Case:
+    prompt: list[int]
+    width: int
+    max_tokens: int
+    length_penalty: float
+    early_stopping: bool | str
+    eos: int | None  # a token that ends a hypothesis (the model's EOS for transformers), or none at all
+    min_tokens: int = 0
+
+
+def pad_id(case: Case) -> int:
+    """What transformers pads shorter beams with here (it takes EOS for a pad id of 0)."""
+    return case.eos if case.eos is not None else 1
+
+
+def reference_beams(model: torch.nn.Module, case: Case) -> list[tuple[list[int], float]]:
+    """transformers' k beams (tokens after the prompt, shorter ones padded with ``pad_id``) and scores, best first."""
+    input_ids = torch.tensor([case.prompt])
+    pad = pad_id(case)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         num_beams=case.width, num_return_sequences=case.width, max_new_tokens=case.max_tokens,
+                         length_penalty=case.length_penalty, early_stopping=case.early_stopping,
+                         eos_token_id=case.eos if case.eos is not None else [], pad_token_id=pad,
+                         min_new_tokens=case.min_tokens or None,
+                         return_dict_in_generate=True, output_scores=True)
+    rows = out.sequences[:, len(case.prompt):].tolist()
+    return list(zip(rows, out.sequences_scores.tolist(), strict=True))
+
+
 def mixed_workload(seed: int, num_requests: int, max_prompt: int, max_output: int, vocab: int
                    ) -> list[tuple[list[int], SamplingParams, int]]:
     """Random token prompts of 1..max_prompt tokens (both ends included), greedy, mixed lengths and priorities.

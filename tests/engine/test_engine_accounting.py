@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def test_every_block_is_free_after_1000_requests(tiny_llama: Path, prefix_cachin
                 params = SamplingParams(temperature=1.0 if rng.random() < 0.1 else 0.0,
                                         max_tokens=rng.randint(1, 10), seed=rng.choice([None, submitted]),
                                         ignore_eos=rng.random() < 0.5)
+                if submitted % 10 == 5:  # every tenth a beam search: its beams fork, get preempted and aborted together
+                    params = dataclasses.replace(params, temperature=0.0, beam_width=rng.randint(2, 3))
                 engine.add_request(f"r{submitted}", prompt, params, priority=rng.randint(0, 3))
                 live.add(f"r{submitted}")
                 submitted += 1

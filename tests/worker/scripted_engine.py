@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,11 +203,13 @@ class InProcessWorker:
     loop as a worker process would be, so synchronous test clients can block while it works."""
 
     def __init__(self, redis_url: str, settings: Settings, token_delay_s: float = 0.0,
-                 worker_id: str = "scripted-1") -> None:
+                 worker_id: str = "scripted-1", engine_factory: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self.worker_id = worker_id
         self.engine_thread = EngineThread()
-        self.engine = self.engine_thread.build(lambda: ScriptedEngine(token_delay_s, settings.max_num_seqs))
+        # engine_factory: a real engine (a tiny model) for end-to-end tests of what only it computes (beam search)
+        self.engine = self.engine_thread.build(engine_factory or
+                                               (lambda: ScriptedEngine(token_delay_s, settings.max_num_seqs)))
         self._redis_url = redis_url
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=worker_id, daemon=True)

@@ -16,10 +16,12 @@ from typing import cast
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from worker.engine.beam_search import BeamSearch, beam_request_id
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from worker.engine.draw import Draw, draw_tokens
+from worker.engine.kv_cache import num_blocks_needed
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, FinishReason, Logprob, RequestOutput, StepOutput
 from worker.engine.request import Request, validate_request
@@ -59,6 +61,7 @@ class Engine:
         self.spec: SpeculativeDecoder | None = make_speculative_decoder(
             config, self.runner, self.sampler, self._tokenizer, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
+        self.beams = BeamSearch(self.scheduler, self.block_pool, self._requests, self._detokenize)
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
 
@@ -84,8 +87,11 @@ class Engine:
         """
         validate_request(request_id, prompt_token_ids, params, priority, self.runner.shape.vocab_size,
                          self.max_model_len)
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.beams:
             raise ValueError(f"request_id must be unique among unfinished requests, got duplicate {request_id!r}")
+        if params.is_beam_search:
+            self._add_beam_group([request_id], list(prompt_token_ids), params, priority)
+            return
         request = self._make_request(request_id, list(prompt_token_ids), params, priority, next(self._arrivals))
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -111,13 +117,16 @@ class Engine:
         if not 1 <= len(ids) <= self.config.max_num_seqs:
             raise ValueError(f"request_ids must hold 1 to max_num_seqs ({self.config.max_num_seqs}) ids, "
                              f"got {len(ids)}")
-        if len(set(ids)) != len(ids) or any(rid in self._requests for rid in ids):
+        if len(set(ids)) != len(ids) or any(rid in self._requests or rid in self.beams for rid in ids):
             raise ValueError(f"request_ids must be unique among unfinished requests, got {ids!r:.200}")
         validate_request(ids[0], prompt_token_ids, params, priority, self.runner.shape.vocab_size,
                          self.max_model_len)
         if not all(isinstance(rid, str) and rid for rid in ids):
             raise ValueError(f"request_ids must be non-empty strings, got {ids!r:.200}")
         prompt = list(prompt_token_ids)
+        if params.is_beam_search:
+            self._add_beam_group(ids, prompt, params, priority)
+            return
         requests = [self._make_request(rid, prompt, params if params.seed is None else
                                        dataclasses.replace(params, seed=(params.seed + i) % SEED_MODULUS), priority,
                                        next(self._arrivals))
@@ -128,6 +137,34 @@ class Engine:
             self.scheduler.add(requests[0])
         else:
             self.scheduler.add_group(requests[0], requests[1:])
+
+    def _add_beam_group(self, output_ids: list[str], prompt: list[int], params: SamplingParams, priority: int
+                        ) -> None:
+        """Queue a beam search of ``params.beam_width`` beams returning the best ``len(output_ids)`` (worker.engine.
+        beam_search). Raises ValueError, naming the field, where beam search cannot run as asked."""
+        width = params.beam_width
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width must be at most max_num_seqs ({self.config.max_num_seqs}), got {width}")
+        if len(output_ids) > width:
+            raise ValueError(f"n (returned beams) must be at most beam_width ({width}), got {len(output_ids)}")
+        if self.spec is not None:
+            raise ValueError("beam_width must be 1 on an engine with speculative decoding, got "
+                             f"{width} (beams run on the target model only)")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
+        # Even with no sharing at all (after a preemption each beam recomputes alone) the group must fit the pool.
+        needed = width * num_blocks_needed(len(prompt) + max_tokens, self.plan.block_size)
+        if needed > self.plan.num_kv_blocks:
+            raise ValueError(f"beam_width {width} times prompt + max_tokens needs {needed} KV blocks, more than the "
+                             f"engine's {self.plan.num_kv_blocks}: lower beam_width or max_tokens")
+        beam_ids = [beam_request_id(output_ids[0], i) for i in range(width)]
+        if any(rid in self._requests for rid in beam_ids):
+            raise ValueError(f"request_ids must be unique among unfinished requests, got {output_ids[0]!r}")
+        beams = [self._make_request(rid, prompt, params, priority, next(self._arrivals)) for rid in beam_ids]
+        self.beams.add(output_ids, beams, self.eos_token_ids)
+
+    def _detokenize(self, prompt: list[int], token_ids: list[int]) -> str:
+        detokenizer = IncrementalDetokenizer(cast(Tokenizer, self._tokenizer), prompt, ())
+        return detokenizer.push(token_ids).text_delta + detokenizer.flush()
 
     def step(self) -> list[StepOutput]:
         """Advance every scheduled request by one forward pass; returns what happened (empty when idle).
@@ -143,15 +180,24 @@ class Engine:
         logits = self.runner.execute(output)  # [num_sampled (+ speculative positions), V]
         self.scheduler.cache_computed_blocks(output, self._requests)
         chunks = [c for c in output.chunks if c.needs_logits]
+        beam_events: list[StepOutput] = []
+        if self.beams.num_groups:
+            chunks, logits, beam_events = self.beams.take(chunks, logits)
         requests = [self._requests[c.request_id] for c in chunks]
         events = [self._settle(r, d) for r, d in zip(requests, draw_tokens(requests, chunks, logits, self._draw),
-                                                     strict=True)]
+                                                     strict=True)] if chunks else []
+        events += beam_events
         if self.spec is not None:
             self.spec.forget(self.scheduler.running)
         return events
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        """Stop a request now and free its blocks; False if it is unknown or already finished. For beam search:
+        any of its output ids stops the whole search."""
+        if request_id in self.beams:
+            return self.beams.abort(request_id)
+        if self.beams.is_beam(request_id):
+            return False  # a beam's internal id: only the whole search can be stopped
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
@@ -197,6 +243,9 @@ class Engine:
         requests: list[Request] = []
         try:
             for prompt, p in zip(prompts, param_list, strict=True):
+                if p.is_beam_search:
+                    raise ValueError("params: generate() runs no beam search (beam_width > 1); use "
+                                     "add_request_group() and step(), whose outputs carry every beam")
                 token_ids = self._tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 request_id = f"generate-{next(self._generate_ids)}"
                 self.add_request(request_id, token_ids, p)

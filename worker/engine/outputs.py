@@ -39,6 +39,7 @@ class StepOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     error: str | None = None  # set with finish_reason "error"
+    beam_score: float | None = None  # beam search: the hypothesis' sum of log-probs / length ** length_penalty
 
 
 @dataclass(frozen=True)

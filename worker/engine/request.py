@@ -56,6 +56,9 @@ class Request:
     # Proposed next tokens (speculative decoding), not yet part of the output: the scheduler computes them after
     # the last known token and the engine keeps the ones the target model accepts. Set fresh every step.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The beams of one beam-search request (this one included; empty otherwise): the scheduler preempts and
+    # re-admits them together, and a beam whose next-token logits wait for its siblings' is not scheduled.
+    beam_members: list[Request] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.sampling import SAMPLING_RANGES, is_greedy
+from shared.sampling import EARLY_STOPPING_VALUES, SAMPLING_RANGES, beam_search_conflict, is_greedy
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -24,7 +24,8 @@ class SamplingParams:
     ``top_k`` of 0 or -1 is off. ``logprobs``: None = off, 0 = the chosen token's log-probability only, N = the
     chosen token plus the top-N alternatives. ``seed`` gives the request its own random generator, so its output
     does not depend on what else is in the batch. Every numeric field must lie in its range in
-    ``shared.sampling.SAMPLING_RANGES`` (ValueError naming the field otherwise).
+    ``shared.sampling.SAMPLING_RANGES`` (ValueError naming the field otherwise). ``beam_width > 1`` asks for beam
+    search, with the restrictions of ``shared.sampling.beam_search_conflict``.
     """
 
     max_tokens: int = 16
@@ -41,6 +42,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    # Beam search (worker.engine.beam) when beam_width > 1, with transformers' length_penalty and early_stopping.
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         # Lists from JSON become tuples so the object stays hashable and immutable.
@@ -54,8 +59,17 @@ class SamplingParams:
         _check(self.min_tokens <= self.max_tokens, "min_tokens", f"at most max_tokens={self.max_tokens}",
                self.min_tokens)
         _check(all(s for s in self.stop), "stop", "non-empty strings", self.stop)
+        _check(any(self.early_stopping is v for v in EARLY_STOPPING_VALUES) or self.early_stopping == "never",
+               "early_stopping", 'true, false or "never"', self.early_stopping)
+        conflict = beam_search_conflict(vars(self))
+        if conflict is not None:
+            raise ValueError(f"{conflict[0]} {conflict[1]}, got {getattr(self, conflict[0])!r}")
 
     @property
     def is_greedy(self) -> bool:
         """Argmax sampling: temperature 0, or one so small that dividing by it would overflow (shared.sampling)."""
         return is_greedy(self.temperature)
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 1

@@ -99,15 +99,19 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
             num_new = min(request.num_uncomputed_tokens + len(request.spec_token_ids), budget)
+            if num_new == 0:
+                continue  # a beam whose logits are in, waiting for its siblings' (worker.engine.beam)
             while not self._try_allocate(request, num_new):
                 if num_new > request.num_uncomputed_tokens:  # drop speculative tokens before preempting anyone
                     num_new = min(request.num_uncomputed_tokens, budget)
                     continue
                 victim = max(self.running, key=Request.sort_key)  # lowest priority, latest arrival
-                budget += scheduled.pop(victim.request_id, 0)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
+                victims = [m for m in victim.beam_members if m.status is RequestStatus.RUNNING] or [victim]
+                for member in victims:  # a beam group goes as a whole
+                    budget += scheduled.pop(member.request_id, 0)
+                    self._preempt(member)
+                    preempted.append(member)
+                if request in victims:
                     break
             else:
                 scheduled[request.request_id] = num_new
@@ -119,7 +123,9 @@ class Scheduler:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][2]
             reserved = sum(r.num_pending_forks for r in self.running)  # seats promised to running parents' forks
-            if len(self.running) + reserved + 1 + request.num_pending_forks > self.max_num_seqs:
+            members = [m for m in request.beam_members if m.status is RequestStatus.WAITING and m is not request]
+            seats = 1 + request.num_pending_forks + len(members)
+            if len(self.running) + reserved + seats > self.max_num_seqs:
                 break
             if self.pool.enable_caching:
                 self._apply_prefix_cache(request)
@@ -130,10 +136,24 @@ class Scheduler:
             heapq.heappop(self._waiting)
             if self.pool.enable_caching and request.num_preemptions == 0:
                 self._record_prefix_hit(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self.adopt(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
+            if members:  # the rest of a preempted beam group comes back with it; they get tokens from next step on
+                self._remove_waiting(members)
+                for member in members:
+                    if self.pool.enable_caching:
+                        self._apply_prefix_cache(member)  # the blocks it held before keep their hashes
+                    self.adopt(member)
+
+    def adopt(self, request: Request) -> None:
+        """Run ``request`` from now on as it stands (its blocks and computed tokens): a re-admitted or forked beam."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _remove_waiting(self, requests: list[Request]) -> None:
+        self._waiting = [entry for entry in self._waiting if entry[2] not in requests]
+        heapq.heapify(self._waiting)
 
     def _try_allocate(self, request: Request, num_new: int) -> bool:
         """Grow the request's block table to hold ``num_new`` more tokens; False (nothing taken) if out of blocks."""
@@ -294,7 +314,6 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
-            self._waiting = [entry for entry in self._waiting if entry[2] is not request]
-            heapq.heapify(self._waiting)
+            self._remove_waiting([request])
         self._release_blocks(request)
         request.status = RequestStatus.FINISHED
