@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.grammar import GrammarSpec
 from shared.sampling import SAMPLING_RANGES, is_greedy
 
 
@@ -41,8 +42,13 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None  # constrained decoding (worker.engine.grammar); a dict from JSON is converted
 
     def __post_init__(self) -> None:
+        if isinstance(self.grammar, dict):
+            object.__setattr__(self, "grammar", GrammarSpec(**self.grammar))
+        _check(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar", "a GrammarSpec or None",
+               self.grammar)
         # Lists from JSON become tuples so the object stays hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
