@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
 MAX_GRAMMAR_CHARS = 200_000  # a schema or grammar larger than this is refused (its compilation cost grows with it)
 
 # Compact JSON (no whitespace between tokens): a flexible-whitespace grammar lets a weak model emit blanks forever.
-_JSON_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,8 @@ def llguidance_grammar(kind: str, value: str) -> str:
             schema = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"grammar.value must be a JSON schema in JSON text: {exc}") from None
-        if not isinstance(schema, dict | bool):
-            raise ValueError("grammar.value must be a JSON schema (an object or a boolean)")
+        if not isinstance(schema, dict):
+            raise ValueError("grammar.value must be a JSON schema (a JSON object)")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)

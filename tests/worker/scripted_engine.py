@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,11 +203,13 @@ class InProcessWorker:
     loop as a worker process would be, so synchronous test clients can block while it works."""
 
     def __init__(self, redis_url: str, settings: Settings, token_delay_s: float = 0.0,
-                 worker_id: str = "scripted-1") -> None:
+                 worker_id: str = "scripted-1", make_engine: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self.worker_id = worker_id
         self.engine_thread = EngineThread()
-        self.engine = self.engine_thread.build(lambda: ScriptedEngine(token_delay_s, settings.max_num_seqs))
+        # make_engine: another engine (a real one, for client-compatibility tests) instead of the scripted one
+        self.engine = self.engine_thread.build(make_engine or (lambda: ScriptedEngine(token_delay_s,
+                                                                                      settings.max_num_seqs)))
         self._redis_url = redis_url
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=worker_id, daemon=True)

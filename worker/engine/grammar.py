@@ -51,12 +51,30 @@ class GrammarState:
         return self.matcher.validate_tokens(list(token_ids)) if token_ids else 0
 
 
+def _byte_bits(device: torch.device | str) -> torch.Tensor:
+    """[256, 8] bool: bit k of byte value b, for unpacking bitmasks one byte at a time."""
+    values = torch.arange(256, dtype=torch.int32, device=device)
+    return ((values[:, None] >> torch.arange(8, dtype=torch.int32, device=device)) & 1).bool()
+
+
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int, byte_bits: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """``bitmask`` [R, ceil(V/32)] int32 -> [R, V] bool, True where the token is allowed.
+
+    Token 32w + i is bit i of word w; on a little-endian int32 that is bit i % 8 of byte 4w + i // 8, so bit k
+    of byte j is token 8j + k, and one table lookup per byte unpacks the mask (cheaper on CPU than shifting every
+    word 32 ways).
+    """
+    table = byte_bits if byte_bits is not None else _byte_bits(bitmask.device)
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
+    bits = table.index_select(0, as_bytes.flatten().long())  # [R * 4W, 8]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` [R, V] with every token whose bit is 0 in ``bitmask`` [R, ceil(V/32)] (int32) set to -inf."""
-    num_rows, vocab_size = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(num_rows, -1)[:, :vocab_size]  # [R, V], bit i of word w
-    return logits.masked_fill(allowed == 0, float("-inf"))
+    """A copy of ``logits`` [R, V] with every token whose bit is 0 in ``bitmask`` set to -inf (for tests and
+    one-off use; the engine masks in place)."""
+    return logits.masked_fill(~unpack_token_bitmask(bitmask, logits.shape[1]), float("-inf"))
 
 
 class GrammarCompiler:
@@ -69,6 +87,7 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s for a 50k vocabulary)
         self._executor = llguidance.LLExecutor()
         self._compiled: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+        self._byte_bits: torch.Tensor | None = None  # the unpacking table, on the logits' device
 
     def start(self, spec: GrammarSpec) -> GrammarState:
         """A fresh matcher for ``spec``; ValueError naming ``grammar`` when it does not compile."""
@@ -90,6 +109,7 @@ class GrammarCompiler:
             if request.grammar is not None and request.spec_token_ids:
                 del request.spec_token_ids[request.grammar.num_valid(request.spec_token_ids):]
 
+    @torch.inference_mode()  # the model's logits are inference tensors, updated in place here
     def mask(self, requests: Sequence[Request], chunks: Sequence[ScheduledChunk], logits: torch.Tensor
              ) -> torch.Tensor:
         """``logits`` [sum(1 + num_spec_tokens), V] in chunk order, with constrained requests' rows masked.
@@ -119,9 +139,17 @@ class GrammarCompiler:
         if bool((selected == 0).all(dim=1).any()):
             errors = {m.get_error() for m, _, _ in rows if m.is_error()}
             raise ValueError(f"grammar: no token is allowed next{': ' + '; '.join(errors) if errors else ''}"[:500])
-        device_index = index.to(logits.device)
-        masked = apply_token_bitmask(logits[device_index], selected.to(logits.device, non_blocking=True))
-        return logits.index_put((device_index,), masked)
+        if self._byte_bits is None or self._byte_bits.device != logits.device:
+            self._byte_bits = _byte_bits(logits.device)
+        allowed = unpack_token_bitmask(selected.to(logits.device, non_blocking=True), logits.shape[1],
+                                       self._byte_bits)  # [R, V]
+        # In place: a fresh [B, V] tensor per step would be page-faulted in afresh on CPU (see sampler.py).
+        if len(row_ids) == logits.shape[0]:
+            logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            device_index = index.to(logits.device)
+            logits[device_index] = logits[device_index].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
