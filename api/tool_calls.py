@@ -35,7 +35,7 @@ from api.openai_models import (
     ToolCallOut,
 )
 from api.openai_stream import ChatChunks
-from shared.grammar import json_schema_text
+from shared.grammar import close_objects, json_schema_text
 from shared.schemas import Grammar, TokenLogprob, ToolSpec, Usage
 from shared.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
@@ -64,14 +64,15 @@ class ToolPlan:
             return None
         tools = [t for t in self.tools if self.choice == "required" or t.function.name == self.choice]
         schema = {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else _call_schema(tools[0])
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact JSON, as shared.grammar's schemas
         block = json.dumps(TOOL_CALL_OPEN + "\n") + f" %json {json_schema_text(schema)} " + json.dumps(
             "\n" + TOOL_CALL_CLOSE)
         start = 'start: call ("\\n" call)*' if self.parallel else "start: call"
         return Grammar(kind="lark", value=f"{start}\ncall: {block}")
 
 
-def _call_schema(tool: ToolSpec) -> dict[str, Any]:
-    parameters = tool.function.parameters or {"type": "object"}
+def _call_schema(tool: ToolSpec) -> dict[str, object]:
+    parameters = close_objects(tool.function.parameters or {"type": "object"})
     return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
             "required": ["name", "arguments"], "additionalProperties": False}
 

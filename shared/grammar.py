@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import llguidance
 
@@ -43,6 +43,32 @@ class GrammarSpec:
             raise ValueError(f"grammar.value must be a string, got {type(self.value).__name__}")
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LITERALS = ("const", "enum", "default", "examples", "required")
+
+
+def close_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists ``properties`` and says
+    nothing of extra ones (xgrammar's "strict mode", vLLM's default; OpenAI's strict schemas spell it out): without
+    it a grammar lets a model add keys without end."""
+    if isinstance(schema, list):
+        return [close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> subschema, not a schema itself
+            closed[key] = {name: close_objects(sub) for name, sub in value.items()}
+        elif key in _LITERALS:
+            closed[key] = value
+        else:
+            closed[key] = close_objects(value)
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "unevaluatedProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def llguidance_grammar(kind: str, value: str) -> str:
     """The llguidance grammar for ``(kind, value)``; ValueError naming ``grammar`` when it cannot be built."""
     if kind not in GRAMMAR_KINDS:
@@ -58,7 +84,7 @@ def llguidance_grammar(kind: str, value: str) -> str:
             raise ValueError(f"grammar.value must be a JSON schema in JSON text: {exc}") from None
         if not isinstance(schema, dict):
             raise ValueError("grammar.value must be a JSON schema (a JSON object)")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=_JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     return llguidance.LLMatcher.grammar_from_lark(value)

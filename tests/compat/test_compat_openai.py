@@ -1,4 +1,5 @@
-"""The official openai client against the real service (SmolLM2): structured outputs and tool calls end to end."""
+"""The official openai client against the service: structured outputs and tool calls end to end, on SmolLM2 where
+the content matters and on a tiny random-weight model (fast) for the protocol's breadth."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.compat.conftest import Service
 
 pytestmark = pytest.mark.slow
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "city": {"enum": ["Paris", "London", "Tokyo"]}},
           "required": ["name", "age", "city"], "additionalProperties": False}
@@ -28,14 +29,19 @@ TIME_TOOL = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tools."}]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(service: Service) -> openai.OpenAI:
     return openai.OpenAI(base_url=service.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="session")
+def tiny_client(tiny_service: Service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_service.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
 def test_json_schema_strict_output_validates(client: openai.OpenAI, service: Service) -> None:
     response = client.chat.completions.create(
-        model=service.model, max_tokens=80, temperature=0,
+        model=service.model, max_tokens=40, temperature=0,
         messages=[{"role": "user", "content": "Describe a person as JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
                                                                 "strict": True}})
@@ -44,18 +50,18 @@ def test_json_schema_strict_output_validates(client: openai.OpenAI, service: Ser
     jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
 
 
-def test_json_object_on_completions_and_guided_choice(client: openai.OpenAI, service: Service) -> None:
-    completion = client.completions.create(model=service.model, prompt="A JSON object about a cat:", max_tokens=60,
-                                           temperature=0, extra_body={"response_format": {"type": "json_object"}})
-    if completion.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(completion.choices[0].text), dict)
-    chat = client.chat.completions.create(model=service.model, max_tokens=5, messages=ASK,
-                                          extra_body={"guided_choice": ["sunny", "rainy"]})
+def test_json_object_on_completions_and_guided_choice(tiny_client: openai.OpenAI, tiny_service: Service) -> None:
+    completion = tiny_client.completions.create(
+        model=tiny_service.model, prompt="A cat:", max_tokens=40, temperature=0,
+        extra_body={"guided_json": {"type": "object", "properties": {"legs": {"enum": [3, 4]}}, "required": ["legs"]}})
+    assert json.loads(completion.choices[0].text)["legs"] in (3, 4)
+    chat = tiny_client.chat.completions.create(model=tiny_service.model, max_tokens=5, messages=ASK,
+                                               extra_body={"guided_choice": ["sunny", "rainy"]})
     assert chat.choices[0].message.content in ("sunny", "rainy")
 
 
 def test_required_tool_call_is_valid_and_parsed(client: openai.OpenAI, service: Service) -> None:
-    response = client.chat.completions.create(model=service.model, max_tokens=80, temperature=0, messages=ASK,
+    response = client.chat.completions.create(model=service.model, max_tokens=50, temperature=0, messages=ASK,
                                               tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
                                               parallel_tool_calls=False)
     choice = response.choices[0]
@@ -66,8 +72,8 @@ def test_required_tool_call_is_valid_and_parsed(client: openai.OpenAI, service: 
     jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])
 
 
-def test_named_tool_streams_a_tool_call_delta(client: openai.OpenAI, service: Service) -> None:
-    stream = client.chat.completions.create(model=service.model, max_tokens=80, temperature=0, messages=ASK,
+def test_named_tool_streams_a_tool_call_delta(tiny_client: openai.OpenAI, tiny_service: Service) -> None:
+    stream = tiny_client.chat.completions.create(model=tiny_service.model, max_tokens=60, temperature=0, messages=ASK,
                                             tools=[WEATHER_TOOL, TIME_TOOL], stream=True,
                                             tool_choice={"type": "function", "function": {"name": "get_time"}})
     calls, reasons = [], []
@@ -80,14 +86,14 @@ def test_named_tool_streams_a_tool_call_delta(client: openai.OpenAI, service: Se
     jsonschema.validate(json.loads(calls[0].function.arguments or ""), TIME_TOOL["function"]["parameters"])
 
 
-def test_tool_history_round_trip(client: openai.OpenAI, service: Service) -> None:
+def test_tool_history_round_trip(tiny_client: openai.OpenAI, tiny_service: Service) -> None:
     """An assistant turn with tool_calls and null content, then the tool's result: the model answers in text."""
     messages = [*ASK,
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
-    response = client.chat.completions.create(model=service.model, max_tokens=30, temperature=0,
-                                              messages=messages, tools=[WEATHER_TOOL], tool_choice="none")
+    response = tiny_client.chat.completions.create(model=tiny_service.model, max_tokens=4, temperature=0,
+                                                   messages=messages, tools=[WEATHER_TOOL], tool_choice="none")
     assert response.choices[0].finish_reason in ("stop", "length")
     assert response.choices[0].message.content
