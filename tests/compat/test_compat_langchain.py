@@ -89,3 +89,8 @@ def test_litellm_tools_and_text_completion_batch(tiny_service: Service, monkeypa
     texts = litellm.text_completion(prompt=["a", "b"], **{**common, "max_tokens": 2})
     assert len(texts.choices) == 2
     assert os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
+
+
+def test_responses_api(tiny_service: Service) -> None:
+    reply = _chat(tiny_service, max_tokens=3, use_responses_api=True).invoke("Say hi.")
+    assert isinstance(reply, AIMessage) and reply.text
