@@ -20,7 +20,7 @@ from api.errors import install_error_handlers
 from api.fleet import refresh_forever, refresh_interval_s
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimitMiddleware, MetricsMiddleware
-from api.routes import health, jobs, openai
+from api.routes import health, jobs, openai, responses
 from api.tokenization import ModelCatalog
 from shared.config import Settings
 from shared.queue import JobQueue
@@ -108,6 +108,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     # Added last = outermost: metrics see every answer, including the body limit's 413.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

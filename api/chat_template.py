@@ -16,6 +16,8 @@ from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shared.tool_prompt import template_inputs, template_supports_tools
+
 
 class ChatTemplateError(ValueError):
     """The template refused the conversation (``raise_exception``) or failed to render."""
@@ -51,14 +53,19 @@ class ChatTemplate:
             # Kept, not raised: a broken template must fail chat requests, not the model's plain completions.
             self._compile_error = f"the model's chat template does not compile: {exc}"
         self._special_tokens = dict(special_tokens)
+        self.supports_tools = template_supports_tools(source)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``, ending with the assistant turn's opening when asked to."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for ``messages`` (and ``tools``: ``shared.tool_prompt``), ending with the assistant
+        turn's opening when asked to."""
         if self._template is None:
             raise ChatTemplateError(self._compile_error or "no chat template")
+        messages, tools = template_inputs(messages, tools, self.supports_tools)
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **extra, **self._special_tokens
             )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc

@@ -57,6 +57,18 @@ class SamplingRequest(_Request):
     use_beam_search: bool = False
     length_penalty: float | None = None
     early_stopping: bool | str | None = None  # true, false or "never" (checked by GenerationParams)
+    # structured outputs (vLLM's names; api/structured_output.py): at most one of these or response_format
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_extras(self) -> dict[str, Any]:
+        """The structured-output extras as given (None when absent)."""
+        return {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
+                "structured_outputs": self.structured_outputs}
 
 
 class CompletionRequest(SamplingRequest):
@@ -67,6 +79,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ContentPart(_Request):
@@ -74,10 +87,23 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns (content may then be null)
+    tool_call_id: str | None = None  # tool turns
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -152,9 +178,27 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    """A streamed tool call: tokenspool sends each call whole, in one delta."""
+
+    index: int
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -176,6 +220,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(BaseModel):

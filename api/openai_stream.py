@@ -32,7 +32,7 @@ class ChunkFormat(Protocol):
     """How one endpoint shapes its chunks."""
 
     def opening(self, index: int) -> BaseModel | None: ...
-    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> BaseModel: ...
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> BaseModel | None: ...
     def finish(self, index: int, text: str, finish_reason: str) -> BaseModel: ...
     def usage(self, usage: Usage) -> BaseModel: ...
 
@@ -111,7 +111,9 @@ async def openai_stream(relay: JobRelay, fmt: ChunkFormat, *, n: int, include_us
             if isinstance(event, TokenEvent):
                 new = text.push(event.index, event.text)
                 if new or (event.logprobs and not text.choices[event.index].replay):
-                    yield _data(fmt.delta(event.index, new, event.logprobs))
+                    delta = fmt.delta(event.index, new, event.logprobs)
+                    if delta is not None:  # a format may hold text back (api.tool_calls)
+                        yield _data(delta)
             elif isinstance(event, RestartEvent):
                 text.restart()
             elif isinstance(event, ErrorEvent):

@@ -21,7 +21,7 @@ from api.tokenization import ModelCatalog, ServedModel
 from shared.config import Settings
 from shared.lifecycle_log import job_fields
 from shared.queue import JobQueue, QueueFullError
-from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission
+from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission, ToolSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ def check_beam_search(settings: Settings, params: GenerationParams, *, param: st
     decoding. ``param`` names the field that asked for beam search (``beam_width``; ``n`` for the OpenAI routes)."""
     if params.beam_width <= 1:
         return
+    if params.grammar is not None:
+        raise invalid_request("beam search cannot be combined with response_format, guided_* or a required or named "
+                              "tool_choice", param=param)
     if settings.speculative:
         raise invalid_request(f"beam search is not available on workers running speculative decoding "
                               f"({settings.speculative!r}); remove {param}", param=param)
@@ -65,22 +68,25 @@ def check_beam_search(settings: Settings, params: GenerationParams, *, param: st
                               f"{params.beam_width}", param=param)
 
 
-def render_chat(model: ServedModel, messages: list[ChatMessage]) -> str | None:
-    """The model's chat template applied to ``messages`` (None when the model has no card yet)."""
+def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[ToolSpec] | None = None) -> str | None:
+    """The model's chat template applied to ``messages`` and ``tools`` (None when the model has no card yet)."""
     if model.card is None:
         return None
     if model.chat_template is None:
         raise invalid_request(f"model {model.name!r} has no chat template; send a plain prompt instead",
                               param="messages", code="no_chat_template")
     try:
-        return model.chat_template.render([m.model_dump() for m in messages], add_generation_prompt=True)
+        return model.chat_template.render([m.model_dump(exclude_none=True) for m in messages],
+                                          add_generation_prompt=True,
+                                          tools=[t.model_dump(exclude_none=True) for t in tools or []])
     except ChatTemplateError as exc:
         raise invalid_request(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
 
 async def count_prompt_tokens(model: ServedModel, *, prompt: str | None = None,
                               prompt_token_ids: list[int] | None = None,
-                              messages: list[ChatMessage] | None = None) -> int | None:
+                              messages: list[ChatMessage] | None = None, tools: list[ToolSpec] | None = None
+                              ) -> int | None:
     """Prompt tokens as the worker will see them; None when the API cannot know (no tokenizer yet).
 
     Token ids are also range-checked here: an id past the vocabulary would fail deep inside the worker. Text is
@@ -92,7 +98,7 @@ async def count_prompt_tokens(model: ServedModel, *, prompt: str | None = None,
                                   param="prompt_token_ids")
         return len(prompt_token_ids)
     if messages is not None:
-        rendered = render_chat(model, messages)
+        rendered = render_chat(model, messages, tools)
         if rendered is None:
             return None
         check_chars(model, rendered, param="messages")
@@ -146,12 +152,14 @@ def build_params(fields: dict[str, Any]) -> GenerationParams:
 def build_submission(*, job_id: str, model: ServedModel, params: GenerationParams, owner: str | None, n: int,
                      priority: int, background: bool, idempotency_key: str | None = None,
                      prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                     messages: list[ChatMessage] | None = None) -> JobSubmission:
+                     messages: list[ChatMessage] | None = None, tools: list[ToolSpec] | None = None
+                     ) -> JobSubmission:
     """The wire job. Idempotency keys need no scoping here: the queue keys them by owner, so two tenants
     choosing the same key never see each other's job."""
     try:
         return JobSubmission(
             id=job_id, model=model.name, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+            tools=tools or None,
             params=params, n=n, priority=priority, idempotency_key=idempotency_key,
             owner=owner, background=background, created_at=time.time(),
         )

@@ -103,6 +103,8 @@ def beam_search_conflict(fields: dict[str, object]) -> tuple[str, str] | None:
         return "top_k", "must be 0 or -1 (off) with beam search"
     if fields.get("stop"):
         return "stop", "is not supported with beam search (use stop_token_ids)"
+    if fields.get("grammar") is not None:
+        return "grammar", "is not supported with beam search (structured outputs and tools constrain one sequence)"
     logprobs = fields.get("logprobs")
     if logprobs is not None and int(logprobs) > MAX_BEAM_LOGPROBS:  # type: ignore[call-overload]
         return "logprobs", f"must be at most {MAX_BEAM_LOGPROBS} with beam search"

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from shared.grammar import MAX_GRAMMAR_CHARS, GrammarKind, check_grammar
 from shared.sampling import GREEDY_BELOW_TEMPERATURE, SAMPLING_RANGES, beam_search_conflict
 
 SCHEMA_VERSION = 1
@@ -50,6 +51,20 @@ class _Wire(BaseModel):
     """Base for wire models: frozen, and unknown fields are an error (a typo must not pass silently)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Grammar(_Wire):
+    """A grammar the output must match (constrained decoding; ``shared.grammar``). Checked with llguidance here, so
+    a job with a grammar that does not compile is refused at submission."""
+
+    kind: GrammarKind = Field(description="json_schema | json_object | regex | lark")
+    value: str = Field("", max_length=MAX_GRAMMAR_CHARS,
+                       description="the JSON schema as JSON text, the regex or the Lark grammar; empty for json_object")
+
+    @model_validator(mode="after")
+    def _compiles(self) -> Grammar:
+        check_grammar(self.kind, self.value)
+        return self
 
 
 class GenerationParams(_Wire):
@@ -101,6 +116,7 @@ class GenerationParams(_Wire):
             name, why = conflict
             raise PydanticCustomError("beam_search", f"{name} {why}", {"param": name, "code": "invalid_value"})
         return self
+    grammar: Grammar | None = Field(None, description="constrain the output to a JSON schema, regex or grammar")
 
     @field_validator("min_tokens")
     @classmethod
@@ -111,11 +127,41 @@ class GenerationParams(_Wire):
         return value
 
 
+class FunctionCall(_Wire):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Wire):
+    """A function call an assistant turn made (OpenAI's shape)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(_Wire):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class ToolSpec(_Wire):
+    """A tool the model may call (OpenAI's shape); rendered into the prompt (``shared.tool_prompt``)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
 class ChatMessage(_Wire):
-    """One chat turn, rendered with the model's chat template."""
+    """One chat turn, rendered with the model's chat template (``shared.tool_prompt`` for tool calls)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant turns: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool turns: the call this result answers")
+    name: str | None = None
 
 
 class JobSubmission(_Wire):
@@ -131,6 +177,7 @@ class JobSubmission(_Wire):
     prompt: str | None = None
     prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolSpec] | None = Field(None, max_length=128, description="with messages: tools for the template")
     params: GenerationParams = Field(default_factory=GenerationParams)
     n: int = Field(1, ge=1, le=64)
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first")

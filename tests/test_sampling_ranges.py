@@ -19,7 +19,9 @@ from worker.engine import SamplingParams
 NOT_SAMPLING = {"model", "n", "stream", "stream_options", "logit_bias", "user", "priority", "background", "prompt",
                 "echo", "suffix", "best_of", "messages", "max_completion_tokens", "top_logprobs", "tools",
                 "response_format", "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities",
-                "audio", "reasoning_effort", "prediction", "web_search_options", "use_beam_search"}
+                "audio", "reasoning_effort", "prediction", "web_search_options", "use_beam_search",
+                # structured outputs: they become the job's ``grammar`` (api/structured_output.py)
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
 FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 
 

@@ -24,6 +24,7 @@ from shared.schemas import (
     TokenLogprob,
     Usage,
 )
+from shared.tool_prompt import template_inputs, template_supports_tools
 from worker.engine import Logprob, StepOutput
 from worker.port import EnginePort, Tokenizer
 from worker.token_bytes import TokenBytes
@@ -49,8 +50,10 @@ def prompt_token_ids(job: JobSubmission, tokenizer: Tokenizer) -> list[int]:
     assert job.messages is not None
     if not tokenizer.chat_template:
         raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids")
-    text = tokenizer.apply_chat_template([m.model_dump() for m in job.messages], tokenize=False,
-                                         add_generation_prompt=True)
+    messages, tools = template_inputs([m.model_dump(exclude_none=True) for m in job.messages],
+                                      [t.model_dump(exclude_none=True) for t in job.tools or []],
+                                      template_supports_tools(tokenizer.chat_template))
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     # The template already holds the special tokens (BOS etc.), as apply_chat_template(tokenize=True) assumes.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

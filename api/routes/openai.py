@@ -31,6 +31,7 @@ from api.openai_prompts import finished_job, run_prompts, split_prompts
 from api.openai_stream import ChatChunks, ChunkFormat, CompletionChunks, openai_stream
 from api.relay import JobRelay, run_until_disconnect
 from api.sse import EventStreamResponse
+from api.structured_output import grammar_of
 from api.submission import (
     build_params,
     build_submission,
@@ -44,8 +45,9 @@ from api.submission import (
     record_submitted,
     resolve_model,
 )
+from api.tool_calls import ToolCallChunks, ToolPlan, apply_tool_calls, plan_tools
 from shared.queue import JobQueue, QueueFullError
-from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission
+from shared.schemas import ChatMessage, FunctionCall, GenerationParams, Grammar, JobRecord, JobSubmission, ToolCall
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -86,6 +88,7 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
                               param="prompt")
     model = await resolve_model(catalog, body.model)
     params = _params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    params = params.model_copy(update={"grammar": grammar_of(body.response_format, body.structured_extras())})
     check_beam_search(settings, params, param="n")
     submissions = []
     for prompt, prompt_token_ids in prompts:
@@ -118,22 +121,28 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     requested_max = body.max_completion_tokens or body.max_tokens
     check_caps(settings, max_tokens=requested_max, n=body.n)
     messages = _chat_messages(body.messages)
+    tool_plan = plan_tools(body)
+    tools = tool_plan.tools if tool_plan else None
     model = await resolve_model(catalog, body.model)
-    num_prompt_tokens = await count_prompt_tokens(model, messages=messages)
+    num_prompt_tokens = await count_prompt_tokens(model, messages=messages, tools=tools)
     max_tokens = requested_max or default_max_tokens(settings, model, num_prompt_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, max_tokens=max_tokens, logprobs=logprobs)
+    params = params.model_copy(update={"grammar": _chat_grammar(body, tool_plan)})
     check_beam_search(settings, params, param="n")
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages")
     job_id = new_job_id()
     submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,
-                                  priority=body.priority, background=body.background, messages=messages)
+                                  priority=body.priority, background=body.background, messages=messages,
+                                  tools=tools)
     created = int(time.time())
-    fmt = ChatChunks(f"chatcmpl-{job_id}", created, model.name, body.logprobs)
+    chunks = ChatChunks(f"chatcmpl-{job_id}", created, model.name, body.logprobs)
+    fmt: ChunkFormat = ToolCallChunks(chunks, tool_plan) if tool_plan else chunks
 
     def render(job: JobRecord) -> ChatCompletionResponse:
-        return chat_response(job, completion_id=f"chatcmpl-{job_id}", created=created, n=body.n,
-                             want_logprobs=body.logprobs)
+        response = chat_response(job, completion_id=f"chatcmpl-{job_id}", created=created, n=body.n,
+                                 want_logprobs=body.logprobs)
+        return apply_tool_calls(response, tool_plan) if tool_plan else response
 
     return await _run_job(request, queue, metrics, submission, body, fmt, render, endpoint="chat")
 
@@ -194,10 +203,18 @@ def _beam_fields(body: SamplingRequest) -> dict[str, object]:
     if body.n < 2:
         raise invalid_request("use_beam_search needs n >= 2 (n is the beam width)", param="n")
     return {"beam_width": body.n, "length_penalty": body.length_penalty, "early_stopping": body.early_stopping}
+def _chat_grammar(body: ChatCompletionRequest, tool_plan: ToolPlan | None) -> Grammar | None:
+    """The response_format's grammar, or the one a required/named tool choice needs (not both)."""
+    grammar = grammar_of(body.response_format, body.structured_extras())
+    tool_grammar = tool_plan.grammar() if tool_plan else None
+    if grammar is not None and tool_grammar is not None:
+        raise invalid_request("a required or named tool_choice cannot be combined with response_format",
+                              param="tool_choice")
+    return grammar or tool_grammar
 
 
 def _chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
-    """OpenAI messages as wire ChatMessages: text content only (content parts joined)."""
+    """OpenAI messages as wire ChatMessages: text content only (content parts joined); tool calls kept."""
     out = []
     for i, message in enumerate(messages):
         if message.role not in _CHAT_ROLES:
@@ -207,9 +224,14 @@ def _chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
             if any(part.type != "text" or part.text is None for part in content):
                 raise invalid_request("only text content parts are supported", param=f"messages.{i}.content")
             content = "\n".join(part.text or "" for part in content)
-        if content is None:
+        if content is None and not (message.role == "assistant" and message.tool_calls):
             raise invalid_request("message content is required", param=f"messages.{i}.content")
-        out.append(ChatMessage(role=message.role, content=content))
+        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.function.name, arguments=c.function.arguments))
+                      for c in message.tool_calls or []] or None
+        if tool_calls and message.role != "assistant":
+            raise invalid_request("only assistant messages carry tool_calls", param=f"messages.{i}.tool_calls")
+        out.append(ChatMessage(role=message.role, content=content or "", tool_calls=tool_calls,
+                               tool_call_id=message.tool_call_id, name=message.name))
     return out
 
 
@@ -225,9 +247,9 @@ def _reject_unsupported_completion(body: CompletionRequest) -> None:
         raise invalid_request("logit_bias is not supported", param="logit_bias")
 
 
-# Chat fields that are refused whenever they are set (tool_choice and parallel_tool_calls need tools, refused too).
-_UNHONOURED_CHAT_FIELDS = ("tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
-                           "reasoning_effort", "prediction", "web_search_options")
+# (tool_choice and parallel_tool_calls are checked with tools: api/tool_calls.py)
+_UNHONOURED_CHAT_FIELDS = ("functions", "function_call", "audio", "reasoning_effort", "prediction",
+                           "web_search_options")
 
 
 def _reject_unsupported_stream_options(body: SamplingRequest) -> None:
@@ -237,15 +259,11 @@ def _reject_unsupported_stream_options(body: SamplingRequest) -> None:
 
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     _reject_unsupported_stream_options(body)
-    if body.tools:
-        raise invalid_request("tools are not supported", param="tools")
     for name in _UNHONOURED_CHAT_FIELDS:
         if getattr(body, name) is not None:
             raise invalid_request(f"{name} is not supported", param=name)
     if body.modalities is not None and body.modalities != ["text"]:
         raise invalid_request("only the text modality is supported", param="modalities")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise invalid_request("only response_format type 'text' is supported", param="response_format")
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs: true", param="top_logprobs")
     if body.logit_bias:

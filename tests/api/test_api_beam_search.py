@@ -28,7 +28,7 @@ BEAM_FIELDS = {"max_tokens": 6, "length_penalty": 0.5, "early_stopping": True, "
 def real_worker(start_worker: Callable[..., InProcessWorker], tiny_llama: Path) -> InProcessWorker:
     config = EngineConfig(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=8,
                           num_threads=1)
-    return start_worker(engine_factory=lambda: Engine(config))
+    return start_worker(make_engine=lambda: Engine(config))
 
 
 def _finished_job(client: httpx.Client, job_id: str) -> dict[str, Any]:

@@ -203,13 +203,13 @@ class InProcessWorker:
     loop as a worker process would be, so synchronous test clients can block while it works."""
 
     def __init__(self, redis_url: str, settings: Settings, token_delay_s: float = 0.0,
-                 worker_id: str = "scripted-1", engine_factory: Callable[[], Any] | None = None) -> None:
+                 worker_id: str = "scripted-1", make_engine: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self.worker_id = worker_id
         self.engine_thread = EngineThread()
-        # engine_factory: a real engine (a tiny model) for end-to-end tests of what only it computes (beam search)
-        self.engine = self.engine_thread.build(engine_factory or
-                                               (lambda: ScriptedEngine(token_delay_s, settings.max_num_seqs)))
+        # make_engine: another engine (a real one, for client-compatibility tests) instead of the scripted one
+        self.engine = self.engine_thread.build(make_engine or (lambda: ScriptedEngine(token_delay_s,
+                                                                                      settings.max_num_seqs)))
         self._redis_url = redis_url
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=worker_id, daemon=True)

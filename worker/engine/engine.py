@@ -21,6 +21,7 @@ from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from worker.engine.draw import Draw, draw_tokens
+from worker.engine.grammar import GrammarCompiler
 from worker.engine.kv_cache import num_blocks_needed
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, FinishReason, Logprob, RequestOutput, StepOutput
@@ -60,6 +61,7 @@ class Engine:
         self.sampler = Sampler()
         self.spec: SpeculativeDecoder | None = make_speculative_decoder(
             config, self.runner, self.sampler, self._tokenizer, self.eos_token_ids)
+        self.grammar = GrammarCompiler(self._tokenizer, self.runner.shape.vocab_size, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self.beams = BeamSearch(self.scheduler, self.block_pool, self._requests, self._detokenize)
         self._arrivals = itertools.count()
@@ -103,6 +105,7 @@ class Engine:
             arrival=arrival, max_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             generator=make_generator(params.seed, self.runner.device),
             detokenizer=IncrementalDetokenizer(cast(Tokenizer, self._tokenizer), prompt, params.stop),
+            grammar=self.grammar.start(params.grammar) if params.grammar is not None else None,
         )
 
     def add_request_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: SamplingParams,
@@ -174,6 +177,7 @@ class Engine:
         """
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # sets spec_token_ids of requests about to decode
+            self.grammar.trim_proposals(self.scheduler.running)
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
@@ -264,7 +268,8 @@ class Engine:
     def _draw(self, requests: Sequence[Request], chunks: Sequence[ScheduledChunk], logits: torch.Tensor
               ) -> list[Draw]:
         """Sample one token per request; with speculation, verify each request's speculative tokens instead
-        (requests without any sample as usual) and keep the accepted ones."""
+        (requests without any sample as usual) and keep the accepted ones. Grammars mask the logits first."""
+        logits = self.grammar.mask(requests, chunks, logits)
         if self.spec is not None:
             return [Draw(v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted_tokens)
                     for v in self.spec.verify(requests, chunks, logits)]
@@ -314,12 +319,13 @@ class Engine:
             if logprob is not None:
                 request.logprobs.append(logprob)
             num_appended += 1
+            grammar_done = request.grammar is not None and request.grammar.advance(token_id)
             if self._is_stop_token(request, token_id):
                 reason = "stop"  # a stop token ends the request without adding its text (as vLLM does)
                 break
             update = request.detokenizer.push([token_id])
             text_delta += update.text_delta
-            if update.stop_hit:
+            if update.stop_hit or grammar_done:
                 reason = "stop"
             elif request.num_output_tokens >= request.max_tokens:
                 reason = "length"

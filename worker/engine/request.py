@@ -42,6 +42,7 @@ class Request:
     max_tokens: int
     generator: torch.Generator | None = None
     detokenizer: Any = None  # detokenizer.IncrementalDetokenizer; Any keeps this module free of tokenizers
+    grammar: Any = None  # grammar.GrammarState when the output is constrained; it stands after the output tokens
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.grammar import GrammarSpec
 from shared.sampling import EARLY_STOPPING_VALUES, SAMPLING_RANGES, beam_search_conflict, is_greedy
 
 
@@ -46,8 +47,13 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    grammar: GrammarSpec | None = None  # constrained decoding (worker.engine.grammar); a dict from JSON is converted
 
     def __post_init__(self) -> None:
+        if isinstance(self.grammar, dict):
+            object.__setattr__(self, "grammar", GrammarSpec(**self.grammar))
+        _check(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar", "a GrammarSpec or None",
+               self.grammar)
         # Lists from JSON become tuples so the object stays hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -1,0 +1,67 @@
+"""Client-compatibility fixtures: real services for the session (each model loads once): the API (uvicorn) and
+the production worker over a real engine (SmolLM2, or a tiny random-weight model), both in process, so real
+client libraries (openai, LangChain, LiteLLM) can talk to them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from api.app import create_app
+from api.http_limits import uvicorn_options
+from shared.config import Settings
+from shared.launcher.redis_server import RedisServer, free_port
+from tests.worker.scripted_engine import InProcessWorker
+from worker.engine import Engine
+from worker.main import engine_config
+
+
+@dataclass
+class Service:
+    base_url: str  # the OpenAI base URL: http://host:port/v1
+    model: str
+
+
+def _serve(redis_server: RedisServer, model: str, name: str) -> Iterator[Service]:
+    """The API and a worker serving ``model`` as ``name`` until the generator is closed."""
+    if not redis_server.running:
+        redis_server.start()
+    settings = Settings(redis_url=redis_server.url, model=model, model_name=name, max_num_seqs=8, num_threads=2,
+                        lease_ttl_s=30.0, heartbeat_interval_s=1.0)
+    worker = InProcessWorker(redis_server.url, settings, worker_id=f"compat-{name}",
+                             make_engine=lambda: Engine(engine_config(settings))).start()
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=free_port(), log_level="warning",
+                            lifespan="on", timeout_graceful_shutdown=2, **uvicorn_options(settings))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"compat-api-{name}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "API did not start"
+        time.sleep(0.02)
+    try:
+        yield Service(base_url=f"http://127.0.0.1:{config.port}/v1", model=name)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        worker.stop()
+
+
+@pytest.fixture(scope="session")
+def service(redis_server: RedisServer) -> Iterator[Service]:
+    """SmolLM2: the real model, for outputs whose content matters."""
+    yield from _serve(redis_server, "smollm2", "smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_service(redis_server: RedisServer, tiny_llama: Path) -> Iterator[Service]:
+    """A tiny random-weight Llama (SmolLM2's tokenizer and chat template): fast, for the protocol's breadth; under
+    a grammar even random weights write valid calls and schema-valid JSON."""
+    yield from _serve(redis_server, str(tiny_llama), "tiny")
