@@ -6,6 +6,8 @@
 -- ARGV[1] JobSubmission JSON (shared/schemas.py); ARGV[2] max queue length (optional, default 10000);
 -- ARGV[3] (optional) the model's wake channel ts:queue:{<model>}:wake: idle workers claim at once when told,
 -- otherwise at their next poll
+-- ARGV[4], ARGV[5], ARGV[6] (optional, with ARGV[3]): the owner's recent-jobs index ts:owner:<owner or ->:jobs,
+-- how many entries it keeps and its TTL in seconds; the new job joins it, scored by created_at
 -- Returns {'created'|'existing', <record as HGETALL list>} or {'full', <queue length>}.
 local ok, sub = pcall(cjson.decode, ARGV[1])
 if not ok or type(sub) ~= 'table' then
@@ -62,6 +64,11 @@ if KEYS[4] then
   redis.call('HSET', KEYS[1], 'idem', KEYS[4])
 end
 redis.call('ZADD', KEYS[2], score, sub.id)
+if ARGV[4] then
+  redis.call('ZADD', ARGV[4], string.format('%.6f', created_at), sub.id)
+  redis.call('ZREMRANGEBYRANK', ARGV[4], 0, -(tonumber(ARGV[5]) + 1))
+  redis.call('EXPIRE', ARGV[4], tonumber(ARGV[6]))
+end
 if ARGV[3] then
   redis.call('PUBLISH', ARGV[3], sub.id)
 end
