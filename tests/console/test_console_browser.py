@@ -152,6 +152,9 @@ def job_record(stack: ApiProcess, job_id: str) -> dict[str, Any]:
 
 def test_playground_streams_a_completion_then_cancels_a_long_one(browser: Any, stack: ApiProcess) -> None:
     browser.get(f"{stack.base_url}/ui/#/playground")
+    # The key lives in this tab's sessionStorage only: no localStorage, no cookie.
+    assert browser.execute_script("return [localStorage.length, document.cookie, "
+                                  "sessionStorage.getItem('tokenspool.apiKey')]") == [0, "", API_KEY]
     send_prompt(browser, "The capital of France is", 12, "completion")
     # Tokens show while the job still runs: a partial text, never the whole answer at once.
     wait_for(browser, lambda: text_of(browser, "pg-output") and status_of(browser, "pg-status") == "running",
