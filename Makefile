@@ -1,8 +1,9 @@
 # tokenspool — two commands: `make up` runs the service, `make test` checks it.
 # Both install into $(VENV) first, which takes seconds when nothing changed.
 #
-#   make setup   create $(VENV) (Python >= 3.11), install tokenspool[dev] and examples/node's packages, and prepare
-#                the default model
+#   make setup   create $(VENV) (Python >= 3.11), install tokenspool[dev] and examples/node's packages, prepare
+#                the default model, and (as root on Debian/Ubuntu) the headless browser the console's tests drive:
+#                chromium, chromium-driver
 #   make up      start Redis (embedded), the API and the workers:  make up ARGS="--workers 2 --port 9000"
 #   make test    ruff, then the whole test suite:                  make test PYTEST_ARGS="-x tests/test_cli.py"
 #   make lint    ruff and mypy
@@ -36,7 +37,7 @@ STAMP := $(VENV)/.tokenspool-setup-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup install install-torch node-example venv up test lint bench clean-data
+.PHONY: help setup install install-torch install-browser node-example venv up test lint bench clean-data
 
 help:
 	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'
@@ -91,7 +92,22 @@ node-example:
 		npm ci --prefix examples/node --no-audit --no-fund --silent; \
 	fi
 
-setup: install node-example
+# The console's browser tests (tests/console) drive Debian's chromium through its chromedriver; nothing downloads a
+# browser of its own. A no-op when both are on PATH; without root (or apt) it says how and the tests skip.
+BROWSER_PACKAGES := chromium chromium-driver
+install-browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
+		exit 0; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "note: the console's browser tests need $(BROWSER_PACKAGES) (not installed; they will be skipped)." \
+			"Install them as root: apt-get install -y --no-install-recommends $(BROWSER_PACKAGES)"; \
+	else \
+		echo "installing $(BROWSER_PACKAGES) for the console's browser tests"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(BROWSER_PACKAGES) >/dev/null; \
+	fi
+
+setup: install node-example install-browser
 	@folder="$$("$(BIN)/tokenspool" models prepare "$(MODEL)")"; echo "model $(MODEL): $$folder"
 
 # `tokenspool up` prepares (converts once) the model itself, so `up` needs only the install.

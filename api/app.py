@@ -18,9 +18,11 @@ from fastapi_offline import FastAPIOffline
 from api.deps import Resources
 from api.errors import install_error_handlers
 from api.fleet import refresh_forever, refresh_interval_s
+from api.fleet_history import FleetHistory
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimitMiddleware, MetricsMiddleware
-from api.routes import health, jobs, openai, responses
+from api.routes import fleet_view, health, job_list, jobs, openai, responses
+from api.routes.console import install_console
 from api.tokenization import ModelCatalog
 from shared.config import Settings
 from shared.queue import JobQueue
@@ -77,7 +79,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     tasks = [asyncio.create_task(_store_config(queue), name="store-config"),
              asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings)), name="lease-reaper"),
              asyncio.create_task(refresh_forever(metrics.fleet, queue, settings.served_model_name,
-                                                 refresh_interval_s(settings.heartbeat_interval_s)),
+                                                 refresh_interval_s(settings.heartbeat_interval_s),
+                                                 app.state.fleet_history),
                                  name="fleet-metrics")]
     try:
         yield
@@ -104,11 +107,15 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     metrics = ApiMetrics()
     app.state.metrics = metrics
+    app.state.fleet_history = FleetHistory(refresh_interval_s(settings.heartbeat_interval_s))
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(openai.router)
     app.include_router(responses.router)
+    app.include_router(job_list.router)
+    app.include_router(fleet_view.router)
+    install_console(app)
     # Added last = outermost: metrics see every answer, including the body limit's 413.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
 from api.auth import authenticate
+from api.fleet_history import FleetHistory
 from api.metrics import ApiMetrics
 from api.tokenization import ModelCatalog
 from shared.config import Settings
@@ -41,6 +42,11 @@ async def get_metrics(request: Request) -> ApiMetrics:
     return metrics
 
 
+async def get_fleet_history(request: Request) -> FleetHistory:
+    history: FleetHistory = request.app.state.fleet_history
+    return history
+
+
 async def get_resources(request: Request) -> Resources:
     resources: Resources = request.app.state.resources
     return resources
@@ -64,4 +70,5 @@ MetricsDep = Annotated[ApiMetrics, Depends(get_metrics)]
 ResourcesDep = Annotated[Resources, Depends(get_resources)]
 QueueDep = Annotated[JobQueue, Depends(get_queue)]
 CatalogDep = Annotated[ModelCatalog, Depends(get_catalog)]
+FleetHistoryDep = Annotated[FleetHistory, Depends(get_fleet_history)]
 OwnerDep = Annotated[str | None, Depends(get_owner)]

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -20,6 +21,9 @@ from redis.exceptions import RedisError
 
 from shared.queue import JobQueue
 from shared.schemas import WorkerInfo
+
+if TYPE_CHECKING:
+    from api.fleet_history import FleetHistory
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +96,16 @@ def refresh_interval_s(heartbeat_interval_s: float) -> float:
     return min(5.0, max(0.5, heartbeat_interval_s))
 
 
-async def refresh_forever(collector: FleetCollector, queue: JobQueue, served_model: str, interval_s: float) -> None:
-    """Refresh ``collector`` now and then every ``interval_s``; a failed read clears it until the next success."""
+async def refresh_forever(collector: FleetCollector, queue: JobQueue, served_model: str, interval_s: float,
+                          history: FleetHistory | None = None) -> None:
+    """Refresh ``collector`` (and ``history``, the console's charts) now and then every ``interval_s``; a failed
+    read clears the collector until the next success."""
     while True:
         try:
-            collector.update(await FleetSnapshot.read(queue, served_model))
+            snapshot = await FleetSnapshot.read(queue, served_model)
+            collector.update(snapshot)
+            if history is not None:
+                history.add(snapshot)
         except (RedisError, OSError, ValueError) as exc:  # ValueError: a malformed heartbeat
             collector.update(None)
             log.warning("reading queue and worker state for /metrics failed: %s; retrying in %.1f s", exc,

@@ -99,3 +99,16 @@ def worker_cancels(worker_id: str) -> str:
 def control(worker_id: str) -> str:
     """Pub/sub channel: job ids the worker must abort now (the fast path beside ``worker_cancels``)."""
     return f"{CONTROL_PREFIX}{worker_id}"
+
+
+OWNER_PREFIX = f"{PREFIX}owner:"
+OWNER_JOBS_SUFFIX = ":jobs"
+# An owner's recent-jobs index keeps its newest entries only (older ones are trimmed at each submission).
+OWNER_JOBS_KEEP = 500
+
+
+def owner_jobs(owner: str | None) -> str:
+    """Sorted set: the job ids an owner submitted (``-`` when there is no owner), scored by creation time; the
+    newest ``OWNER_JOBS_KEEP``, expiring ``result_ttl_s`` after the owner's last submission. The console's job
+    list reads it; an entry whose job expired is skipped when read."""
+    return f"{OWNER_PREFIX}{owner or '-'}{OWNER_JOBS_SUFFIX}"

@@ -318,6 +318,17 @@ class ErrorEvent(_Wire):
 StreamEvent = Annotated[TokenEvent | RestartEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
 
 
+class WorkerTotals(_Wire):
+    """A worker's cumulative counts since it started (its Prometheus counters), sent with each heartbeat so the
+    API can chart throughput and latency without scraping workers: rates are differences between heartbeats."""
+
+    num_generated_tokens: int = 0
+    num_first_tokens: int = 0
+    ttft_sum_s: float = 0.0
+    num_finished_jobs: int = 0
+    e2e_sum_s: float = 0.0
+
+
 class WorkerInfo(_Wire):
     """A live worker, as registered in Redis by its heartbeat."""
 
@@ -329,6 +340,7 @@ class WorkerInfo(_Wire):
     kv_cache_usage: float = 0.0
     heartbeat_at: float
     started_at: float
+    totals: WorkerTotals | None = None
 
 
 class ModelCard(_Wire):

@@ -80,4 +80,5 @@ class Control:
         return WorkerInfo(id=self._ctx.worker_id, model=self._ctx.settings.served_model_name,
                           max_num_seqs=self._ctx.settings.max_num_seqs, num_running=stats.num_running,
                           num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
-                          heartbeat_at=time.time(), started_at=self._started_at)
+                          heartbeat_at=time.time(), started_at=self._started_at,
+                          totals=self._ctx.metrics.totals())

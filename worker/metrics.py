@@ -13,6 +13,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from shared.lifecycle_log import RECOVERIES
+from shared.schemas import WorkerTotals
 from worker.engine.outputs import EngineStats
 
 # Latencies that include queueing: milliseconds on a GPU, up to minutes for a deep queue on a CPU.
@@ -82,6 +83,20 @@ class WorkerMetrics:
                        self.preemptions, self.draft_tokens, self.accepted_tokens, self.batch_size,
                        self.step_duration):
             metric.labels(model)
+
+    def totals(self) -> WorkerTotals:
+        """Tokens generated, first tokens and finished jobs so far with their latency sums (for the heartbeat)."""
+        wanted = {"tokenspool_generation_tokens_total": "num_generated_tokens",
+                  "tokenspool_time_to_first_token_seconds_count": "num_first_tokens",
+                  "tokenspool_time_to_first_token_seconds_sum": "ttft_sum_s",
+                  "tokenspool_e2e_latency_seconds_count": "num_finished_jobs",
+                  "tokenspool_e2e_latency_seconds_sum": "e2e_sum_s"}
+        values: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name in wanted and sample.labels.get("model") == self.model:
+                    values[wanted[sample.name]] = sample.value
+        return WorkerTotals(**{name: int(v) if name.startswith("num_") else v for name, v in values.items()})
 
     # --- serving ----------------------------------------------------------------------------------------
 

@@ -136,6 +136,7 @@ def _banner(settings: Settings, base_url: str, redis_url: str, embedded: bool) -
     return "\n".join([
         "tokenspool is up",
         f"  API      {base_url}   (OpenAPI docs: {base_url}/docs)",
+        f"  Console  {base_url}/ui   (playground, your jobs, the fleet)",
         f"  Redis    {redis_url}   ({where})",
         f"  Workers  {settings.workers} x {settings.served_model_name} (jobs wait in the queue while they load)",
         "Try:",

@@ -3,10 +3,12 @@
 -- KEYS[2] model queue   ts:queue:{<model>}
 -- KEYS[3] queue counter ts:queue:{<model>}:seq
 -- KEYS[4] config        ts:config (the key layout and the queue cap, stored by the service's processes)
--- KEYS[5] idempotency key ts:idem:<owner or ->:<idempotency_key>: given exactly when the submission has an
---         idempotency_key
+-- KEYS[5] idempotency key ts:idem:<owner or ->:<idempotency_key> exactly when the submission has an
+--         idempotency_key; absent or '' otherwise
 -- ARGV[1] JobSubmission JSON (shared/schemas.py). Nothing else: the queue cap and the wake channel come from the
 -- config, so a caller cannot pass a wrong copy of the service's settings.
+-- KEYS[6] (optional) the owner's recent-jobs index ts:owner:<owner or ->:jobs: the job joins it (scored by
+--         created_at); it keeps the config's owner_jobs_keep newest and expires result_ttl_s after the last one
 -- Returns {'created'|'existing', <record as HGETALL list>} or {'full', <queue length>}.
 local cfg = redis.call('HGETALL', KEYS[4])
 if #cfg == 0 then
@@ -44,6 +46,7 @@ for i = 1, 3 do
   end
 end
 local idem_key = sub.idempotency_key
+local has_idem = KEYS[5] ~= nil and KEYS[5] ~= ''
 if type(idem_key) == 'string' then
   local want = c.idem_prefix .. (owner ~= '' and owner or '-') .. ':' .. idem_key
   if KEYS[5] ~= want then return redis.error_reply('ERR KEYS[5] must be ' .. want) end
@@ -51,7 +54,7 @@ if type(idem_key) == 'string' then
   if existing and redis.call('EXISTS', job_key(existing)) == 1 then
     return {'existing', redis.call('HGETALL', job_key(existing))}
   end
-elseif KEYS[5] then
+elseif has_idem then
   return redis.error_reply('ERR KEYS[5] given but the submission has no idempotency_key')
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -74,11 +77,16 @@ end
 redis.call('HSET', KEYS[1], 'id', sub.id, 'model', sub.model, 'submission', ARGV[1], 'status', 'queued',
   'priority', priority, 'score', score, 'attempts', 0, 'fence', 0, 'seq', 0, 'owner', owner,
   'created_at', string.format('%.6f', created_at))
-if KEYS[5] then
+if has_idem then
   redis.call('SET', KEYS[5], sub.id)
   redis.call('HSET', KEYS[1], 'idem', KEYS[5])
 end
 redis.call('ZADD', KEYS[2], score, sub.id)
+if KEYS[6] then
+  redis.call('ZADD', KEYS[6], string.format('%.6f', created_at), sub.id)
+  redis.call('ZREMRANGEBYRANK', KEYS[6], 0, -(tonumber(c.owner_jobs_keep) + 1))
+  redis.call('EXPIRE', KEYS[6], tonumber(c.result_ttl_s))
+end
 -- Idle workers of the model listen here and claim at once (otherwise at their next poll).
 redis.call('PUBLISH', c.queue_prefix .. sub.model .. c.wake_suffix, sub.id)
 return {'created', redis.call('HGETALL', KEYS[1])}

@@ -116,7 +116,7 @@ def script_config(settings: Settings) -> dict[str, str | int | float]:
         "control_prefix": keys.CONTROL_PREFIX, "lease_ttl_s": settings.lease_ttl_s,
         "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
         "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
-        "max_queue_length": settings.max_queue_length,
+        "max_queue_length": settings.max_queue_length, "owner_jobs_keep": keys.OWNER_JOBS_KEEP,
     }
 
 

@@ -31,6 +31,9 @@ from shared.schemas import (
 )
 
 REPLAY_PAGE = 256  # log entries per read (~40 KB of token events)
+# The job hash fields a JobRecord is built from (everything but the submission, which may be megabytes).
+RECORD_FIELDS = ("id", "model", "status", "priority", "attempts", "result", "error", "worker_id", "created_at",
+                 "started_at", "first_token_at", "finished_at")
 
 
 class ClientSide(QueueBase):
@@ -43,8 +46,8 @@ class ClientSide(QueueBase):
         Raises QueueFullError when the model's queue is at ``max_queue_length``, ValueError for a taken id.
         """
         job_keys = [keys.job(job.id), keys.queue(job.model), keys.queue_seq(job.model), keys.CONFIG]
-        if job.idempotency_key is not None:
-            job_keys.append(keys.idempotency(job.owner, job.idempotency_key))
+        job_keys += [keys.idempotency(job.owner, job.idempotency_key) if job.idempotency_key is not None else "",
+                     keys.owner_jobs(job.owner)]
         try:
             reply = await self._configured(lambda: self._scripts.submit(keys=job_keys, args=[job.model_dump_json()]))
         except ResponseError as exc:
@@ -92,6 +95,28 @@ class ClientSide(QueueBase):
             submission = await self.get_submission(job_id)
             return submission is not None, submission.owner if submission else None
         return True, as_text(owner) or None
+
+    async def recent_jobs(self, owner: str | None, limit: int) -> list[JobRecord]:
+        """The newest ``limit`` jobs ``owner`` submitted (None: the jobs submitted without a key), newest first,
+        read without their submissions; jobs whose record expired are skipped."""
+        job_ids = [as_text(x) for x in await self._redis.zrevrange(keys.owner_jobs(owner), 0, limit - 1)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(keys.job(job_id), RECORD_FIELDS)
+            rows = await pipe.execute() if job_ids else []
+        return [record_from_fields({name: as_text(v) for name, v in zip(RECORD_FIELDS, row, strict=True)
+                                    if v is not None})
+                for row in rows if row[0] is not None]
+
+    async def running_jobs(self) -> list[tuple[str, str | None, str | None]]:
+        """``(job_id, worker_id, owner)`` of every running job (the in-flight set), for the fleet view."""
+        job_ids = [as_text(x) for x in await self._redis.zrange(keys.INFLIGHT, 0, -1)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(keys.job(job_id), ["worker_id", "owner"])
+            rows = await pipe.execute() if job_ids else []
+        return [(job_id, as_text(worker) if worker else None, as_text(owner) if owner else None)
+                for job_id, (worker, owner) in zip(job_ids, rows, strict=True)]
 
     async def cancel(self, job_id: str) -> JobRecord | None:
         """Cancel: a queued job is cancelled now; a running one is flagged and its worker told to abort it
