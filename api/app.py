@@ -34,8 +34,9 @@ def reap_interval_s(settings: Settings) -> float:
     return max(0.5, settings.lease_ttl_s / 3)
 
 
-async def _reap_forever(queue: JobQueue, metrics: ApiMetrics, interval_s: float) -> None:
-    """Requeue jobs whose worker lease expired. A failure (Redis down) is logged and retried next round."""
+async def _reap_forever(queue: JobQueue, metrics: ApiMetrics, interval_s: float, served_model: str) -> None:
+    """Requeue jobs whose worker lease expired, and expire queued jobs past their start-by time (workers do both
+    too; this covers a fleet with none). A failure (Redis down) is logged and retried next round."""
     while True:
         await asyncio.sleep(interval_s)
         try:
@@ -44,6 +45,10 @@ async def _reap_forever(queue: JobQueue, metrics: ApiMetrics, interval_s: float)
                 metrics.job_reaped(job.model, job.status)
             if reaped:
                 log.info("reaped %d jobs with expired leases", len(reaped))
+            for model in {served_model, *await queue.model_names()}:  # queued jobs past their deadline
+                if expired := await queue.expire(model):
+                    metrics.jobs_expired(model, expired)
+                    log.info("expired %d queued jobs of %s past their deadline", expired, model)
         except Exception:
             log.warning("reaping expired leases failed; retrying in %.1f s", interval_s, exc_info=True)
 
@@ -63,7 +68,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                     catalog=ModelCatalog(queue, settings.served_model_name,
                                                          tokenize_threads=settings.tokenize_threads))
     metrics: ApiMetrics = app.state.metrics
-    tasks = [asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings)), name="lease-reaper"),
+    tasks = [asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings),
+                                                settings.served_model_name), name="lease-reaper"),
              asyncio.create_task(refresh_forever(metrics.fleet, queue, settings.served_model_name,
                                                  refresh_interval_s(settings.heartbeat_interval_s)),
                                  name="fleet-metrics")]
@@ -89,7 +95,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    metrics = ApiMetrics()
+    metrics = ApiMetrics(settings.tenant_policies())
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(health.router)

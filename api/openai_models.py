@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.schemas import check_unicode
+from shared.schemas import MAX_TIMEOUT_S, check_unicode
 
 
 class _Request(BaseModel):
@@ -53,6 +53,10 @@ class SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     priority: int = Field(0, description="higher runs first")
     background: bool = Field(False, description="keep generating when the client disconnects")
+    queue_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
+                                          description="must start within this many seconds, else 504 job_expired")
+    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="must end within this many seconds; "
+                                    "a running job stops with finish_reason timeout")
 
 
 class CompletionRequest(SamplingRequest):

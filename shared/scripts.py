@@ -44,6 +44,7 @@ class Scripts:
     cancel: AsyncScript
     rollback: AsyncScript
     reap: AsyncScript
+    expire: AsyncScript
     register: AsyncScript
     deregister: AsyncScript
 

@@ -37,13 +37,14 @@ from api.submission import (
     check_caps,
     check_length,
     count_prompt_tokens,
+    deadlines,
     default_max_tokens,
     new_job_id,
-    queue_full,
     record_submitted,
+    refused,
     resolve_model,
 )
-from shared.queue import JobQueue, QueueFullError
+from shared.queue import JobQueue, QueueFullError, RateLimitedError
 from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -91,7 +92,8 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
         check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
         submissions.append(build_submission(job_id=new_job_id(), model=model, params=params, owner=owner, n=body.n,
                                             priority=body.priority, background=body.background, prompt=prompt,
-                                            prompt_token_ids=prompt_token_ids))
+                                            prompt_token_ids=prompt_token_ids,
+                                            **deadlines(settings, body.queue_timeout_s, body.timeout_s)))
     created = int(time.time())
     if len(submissions) > 1:
         return await run_prompts(request, queue, metrics, submissions, created=created, n=body.n,
@@ -124,7 +126,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages")
     job_id = new_job_id()
     submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,
-                                  priority=body.priority, background=body.background, messages=messages)
+                                  priority=body.priority, background=body.background, messages=messages,
+                                  **deadlines(settings, body.queue_timeout_s, body.timeout_s))
     created = int(time.time())
     fmt = ChatChunks(f"chatcmpl-{job_id}", created, model.name, body.logprobs)
 
@@ -142,8 +145,8 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
     relay = JobRelay(queue, submission.id, submission=submission)
     try:
         await relay.start()
-    except QueueFullError as exc:
-        raise queue_full(exc, metrics) from exc
+    except (QueueFullError, RateLimitedError) as exc:
+        raise refused(exc, submission.owner, metrics) from exc
     record_submitted(metrics, submission, endpoint)
 
     async def cancel_if_abandoned() -> None:
