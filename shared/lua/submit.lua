@@ -83,7 +83,7 @@ local cost = estimate_cost()
 
 -- Rate limits (GCRA): each request, and each token, moves the budget's theoretical arrival time `tat` on by
 -- 60/limit s; a request passes while that stays within 60 s of now (a minute's budget, as a burst).
-local rate, refusal, retry, charge = {}, nil, 0, nil
+local rate, refusal, retry, never, charge = {}, nil, 0, false, nil
 if KEYS[8] then
   local limits = (ARGV[5] and ARGV[5] ~= '') and cjson.decode(ARGV[5]) or {}
   local rpm, tpm, max_jobs = tonumber(limits.rpm) or 0, tonumber(limits.tpm) or 0, tonumber(limits.jobs) or 0
@@ -99,13 +99,13 @@ if KEYS[8] then
   local next_r = rpm > 0 and tat_r + 60 / rpm or tat_r
   if next_r - t > 60 then refuse('requests', next_r - t - 60) end
   local next_t = tpm > 0 and tat_t + cost * 60 / tpm or tat_t
-  if tpm > 0 and cost > tpm then refuse('tokens', -1) elseif next_t - t > 60 then refuse('tokens', next_t - t - 60) end
+  if tpm > 0 and cost > tpm then refuse('tokens', 0); never = true elseif next_t - t > 60 then refuse('tokens', next_t - t - 60) end
   if refusal then next_r, next_t = tat_r, tat_t end
   local function left(limit, tat) return limit > 0 and math.floor((t + 60 - tat) * limit / 60) or 0 end
   rate = {tostring(rpm), tostring(left(rpm, next_r)), string.format('%.3f', next_r - t),
           tostring(tpm), tostring(left(tpm, next_t)), string.format('%.3f', next_t - t)}
   charge = {next_r, next_t, tpm > 0 and 60 / tpm or 0}
-  if refusal and retry < 0 then retry = -1 end
+  if never then retry = -1 end  -- more tokens than a minute's budget: no wait helps
 end
 if refusal then
   return {'limited', refusal, string.format('%.3f', retry), rate}
