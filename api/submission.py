@@ -10,7 +10,7 @@ import logging
 import math
 import secrets
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from fastapi import Response
 from pydantic import ValidationError
@@ -194,7 +194,14 @@ def refused(exc: QueueFullError | RateLimitedError, owner: str | None, metrics: 
     return queue_full(exc, metrics)
 
 
-def deadlines(settings: Settings, queue_timeout_s: float | None, timeout_s: float | None) -> dict[str, float | None]:
+class Deadlines(TypedDict):
+    """A job's timeouts, as ``build_submission`` takes them."""
+
+    queue_timeout_s: float | None
+    timeout_s: float | None
+
+
+def deadlines(settings: Settings, queue_timeout_s: float | None, timeout_s: float | None) -> Deadlines:
     """A job's ``queue_timeout_s`` and ``timeout_s``: the request's, else the server's defaults."""
     return {"queue_timeout_s": queue_timeout_s if queue_timeout_s is not None else settings.queue_timeout_s,
             "timeout_s": timeout_s if timeout_s is not None else settings.job_timeout_s}
