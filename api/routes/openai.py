@@ -40,6 +40,7 @@ from api.submission import (
     deadlines,
     default_max_tokens,
     new_job_id,
+    rate_headers,
     record_submitted,
     refused,
     resolve_model,
@@ -153,10 +154,13 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
         if not submission.background and not relay.finished:
             await queue.cancel(submission.id)
 
+    headers = rate_headers(relay.rate)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = openai_stream(relay, fmt, n=submission.n, include_usage=include_usage, metrics=metrics)
-        return EventStreamResponse(stream, on_disconnect=cancel_if_abandoned)
+        response = EventStreamResponse(stream, on_disconnect=cancel_if_abandoned)
+        response.headers.update(headers)
+        return response
     try:
         final, disconnected = await run_until_disconnect(relay.final, request.receive)
     finally:
@@ -165,7 +169,7 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
         with anyio.CancelScope(shield=True):
             await cancel_if_abandoned()
         return Response(status_code=499)  # nobody reads this: the client is gone
-    return Response(render(finished_job(final)).model_dump_json(), media_type="application/json")
+    return Response(render(finished_job(final)).model_dump_json(), media_type="application/json", headers=headers)
 
 
 def _params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None) -> GenerationParams:

@@ -101,7 +101,8 @@ if KEYS[8] then
   local next_t = tpm > 0 and tat_t + cost * 60 / tpm or tat_t
   if tpm > 0 and cost > tpm then refuse('tokens', 0); never = true elseif next_t - t > 60 then refuse('tokens', next_t - t - 60) end
   if refusal then next_r, next_t = tat_r, tat_t end
-  local function left(limit, tat) return limit > 0 and math.floor((t + 60 - tat) * limit / 60) or 0 end
+  -- (+1e-6: float rounding must not make 992 of 1000 tokens left read 991)
+  local function left(limit, tat) return limit > 0 and math.floor((t + 60 - tat) * limit / 60 + 1e-6) or 0 end
   rate = {tostring(rpm), tostring(left(rpm, next_r)), string.format('%.3f', next_r - t),
           tostring(tpm), tostring(left(tpm, next_t)), string.format('%.3f', next_t - t)}
   charge = {next_r, next_t, tpm > 0 and 60 / tpm or 0}

@@ -123,6 +123,20 @@ def test_a_request_over_the_token_limit_is_refused_for_good(start_api: Callable[
     assert fits.status_code == 202 and fits.headers["x-ratelimit-limit-tokens"] == "50"
 
 
+def test_openai_answers_carry_the_keys_budget(start_api: Callable[..., ApiServer],
+                                             start_worker: Callable[..., InProcessWorker]) -> None:
+    api = start_api(api_keys=KEYS, rate_limit_rpm=100, rate_limit_tpm=1000)
+    start_worker()
+    with api.client(KEY_A) as client:
+        plain = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 5})
+        streamed = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 5, "stream": True})
+    assert plain.status_code == 200 and streamed.status_code == 200
+    assert plain.headers["x-ratelimit-limit-requests"] == "100" and plain.headers["x-ratelimit-limit-tokens"] == "1000"
+    assert plain.headers["x-ratelimit-remaining-requests"] == "99"
+    assert int(plain.headers["x-ratelimit-remaining-tokens"]) == 1000 - 3 - 5  # ceil(11 bytes / 4) + max_tokens
+    assert streamed.headers["x-ratelimit-remaining-requests"] == "98"
+
+
 def test_a_keys_backlog_does_not_hold_back_another_keys_job(start_api: Callable[..., ApiServer],
                                                            start_worker: Callable[..., InProcessWorker]) -> None:
     api = start_api(api_keys=KEYS)
