@@ -80,6 +80,29 @@ async def test_weights_share_tokens_two_to_one_whatever_the_job_sizes(redis: Red
     assert abs(ratio - 2.0) <= 0.2, tokens  # 2:1 within 10%
 
 
+async def test_the_tokens_a_job_used_correct_its_tenants_charge(redis: Redis, settings: Settings) -> None:
+    """A's jobs reserve 1 + 40 tokens but stop after 4; B's use all of their 1 + 10. Charged by the reservation
+    alone, B would get 3.7 jobs per job of A and eight times A's tokens; settled by the tokens used, equal
+    weights get equal tokens."""
+    queue = tenant_queue(redis, settings)
+    for _ in range(120):
+        await queue.submit(job_of(OWNER_A, max_tokens=40))
+    for _ in range(60):
+        await queue.submit(job_of(OWNER_B, max_tokens=10))
+
+    tokens: Counter[str | None] = Counter()
+    while tokens.total() < 500:
+        claimed = await queue.claim(MODEL, "w1", 1)
+        sub = claimed[0].submission
+        generated = 4 if sub.owner == OWNER_A else 10
+        result = JobResult(choices=[Choice(index=0, text="x", finish_reason="stop")],
+                           usage=Usage(prompt_tokens=1, completion_tokens=generated))
+        assert await queue.complete(sub.id, claimed[0].fence, result)
+        tokens[sub.owner] += 1 + generated
+
+    assert abs(tokens[OWNER_A] / tokens[OWNER_B] - 1.0) <= 0.1, tokens
+
+
 async def test_priority_wins_over_fairness(queue: JobQueue) -> None:
     for _ in range(20):
         await queue.submit(job_of(OWNER_A))
