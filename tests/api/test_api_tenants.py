@@ -52,9 +52,14 @@ def test_the_server_default_queue_timeout_applies_and_openai_answers_504(start_a
     with api.client() as client:
         started = time.monotonic()
         response = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        streamed = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "stream": True})
     assert response.status_code == 504, response.text
     assert response.json()["error"]["code"] == "job_expired"
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10
+    chunks = [e["data"] for e in parse_sse(streamed.text)]
+    assert chunks[-1] == "[DONE]"
+    assert json.loads(chunks[-2])["error"]["message"] == "expired: not started within its deadline"
 
 
 def test_a_running_job_past_its_timeout_stops_with_its_partial_text(api: ApiServer,
