@@ -27,6 +27,8 @@ from shared.queue import JobQueue
 
 log = logging.getLogger(__name__)
 
+EXPIRE_INTERVAL_S = 1.0  # how late the API notices a queued job past its deadline, at most
+
 
 def reap_interval_s(settings: Settings) -> float:
     """How often the API reaps expired leases: a few times per lease TTL, so a dead worker's jobs go back
@@ -34,9 +36,8 @@ def reap_interval_s(settings: Settings) -> float:
     return max(0.5, settings.lease_ttl_s / 3)
 
 
-async def _reap_forever(queue: JobQueue, metrics: ApiMetrics, interval_s: float, served_model: str) -> None:
-    """Requeue jobs whose worker lease expired, and expire queued jobs past their start-by time (workers do both
-    too; this covers a fleet with none). A failure (Redis down) is logged and retried next round."""
+async def _reap_forever(queue: JobQueue, metrics: ApiMetrics, interval_s: float) -> None:
+    """Requeue jobs whose worker lease expired. A failure (Redis down) is logged and retried next round."""
     while True:
         await asyncio.sleep(interval_s)
         try:
@@ -45,12 +46,22 @@ async def _reap_forever(queue: JobQueue, metrics: ApiMetrics, interval_s: float,
                 metrics.job_reaped(job.model, job.status)
             if reaped:
                 log.info("reaped %d jobs with expired leases", len(reaped))
-            for model in {served_model, *await queue.model_names()}:  # queued jobs past their deadline
+        except Exception:
+            log.warning("reaping expired leases failed; retrying in %.1f s", interval_s, exc_info=True)
+
+
+async def _expire_forever(queue: JobQueue, metrics: ApiMetrics, served_model: str) -> None:
+    """Expire queued jobs past their start-by time, every model each ``EXPIRE_INTERVAL_S``. A worker's claims do
+    it too, but a worker with no free seat does not claim, and a model may have no worker at all."""
+    while True:
+        await asyncio.sleep(EXPIRE_INTERVAL_S)
+        try:
+            for model in {served_model, *await queue.model_names()}:
                 if expired := await queue.expire(model):
                     metrics.jobs_expired(model, expired)
                     log.info("expired %d queued jobs of %s past their deadline", expired, model)
         except Exception:
-            log.warning("reaping expired leases failed; retrying in %.1f s", interval_s, exc_info=True)
+            log.warning("expiring overdue jobs failed; retrying in %.1f s", EXPIRE_INTERVAL_S, exc_info=True)
 
 
 @contextlib.asynccontextmanager
@@ -68,8 +79,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                     catalog=ModelCatalog(queue, settings.served_model_name,
                                                          tokenize_threads=settings.tokenize_threads))
     metrics: ApiMetrics = app.state.metrics
-    tasks = [asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings),
-                                                settings.served_model_name), name="lease-reaper"),
+    tasks = [asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings)), name="lease-reaper"),
+             asyncio.create_task(_expire_forever(queue, metrics, settings.served_model_name), name="job-expirer"),
              asyncio.create_task(refresh_forever(metrics.fleet, queue, settings.served_model_name,
                                                  refresh_interval_s(settings.heartbeat_interval_s)),
                                  name="fleet-metrics")]

@@ -31,8 +31,8 @@ def _status(client: httpx.Client, job_id: str) -> str:
 
 
 def test_a_job_not_started_in_time_expires_and_every_api_sees_it(start_api: Callable[..., ApiServer]) -> None:
-    # No worker: only the APIs' reapers can expire it (every 0.5 s with 1.5 s leases).
-    one, two = start_api(lease_ttl_s=1.5), start_api(lease_ttl_s=1.5)
+    # No worker: only the APIs can expire it (each every second).
+    one, two = start_api(), start_api()
     with one.client() as first, two.client() as second:
         response = _submit(first, queue_timeout_s=0.3)
         assert response.status_code == 202, response.text
@@ -48,7 +48,7 @@ def test_a_job_not_started_in_time_expires_and_every_api_sees_it(start_api: Call
 
 def test_the_server_default_queue_timeout_applies_and_openai_answers_504(start_api: Callable[..., ApiServer]
                                                                        ) -> None:
-    api = start_api(lease_ttl_s=1.5, queue_timeout_s=0.3)
+    api = start_api(queue_timeout_s=0.3)
     with api.client() as client:
         started = time.monotonic()
         response = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
