@@ -29,6 +29,8 @@ from shared.queue import JobQueue
 
 log = logging.getLogger(__name__)
 
+EXPIRE_INTERVAL_S = 1.0  # how late the API notices a queued job past its deadline, at most
+
 
 def reap_interval_s(settings: Settings) -> float:
     """How often the API reaps expired leases: a few times per lease TTL, so a dead worker's jobs go back
@@ -59,6 +61,20 @@ async def _store_config(queue: JobQueue) -> None:
         log.warning("could not store the script config in Redis yet; the first submit will", exc_info=True)
 
 
+async def _expire_forever(queue: JobQueue, metrics: ApiMetrics, served_model: str) -> None:
+    """Expire queued jobs past their start-by time, every model each ``EXPIRE_INTERVAL_S``. A worker's claims do
+    it too, but a worker with no free seat does not claim, and a model may have no worker at all."""
+    while True:
+        await asyncio.sleep(EXPIRE_INTERVAL_S)
+        try:
+            for model in {served_model, *await queue.model_names()}:
+                if expired := await queue.expire(model):
+                    metrics.jobs_expired(model, expired)
+                    log.info("expired %d queued jobs of %s past their deadline", expired, model)
+        except Exception:
+            log.warning("expiring overdue jobs failed; retrying in %.1f s", EXPIRE_INTERVAL_S, exc_info=True)
+
+
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the Redis client, queue and catalog; run the reaper; close them all on shutdown."""
@@ -78,6 +94,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     metrics: ApiMetrics = app.state.metrics
     tasks = [asyncio.create_task(_store_config(queue), name="store-config"),
              asyncio.create_task(_reap_forever(queue, metrics, reap_interval_s(settings)), name="lease-reaper"),
+             asyncio.create_task(_expire_forever(queue, metrics, settings.served_model_name), name="job-expirer"),
              asyncio.create_task(refresh_forever(metrics.fleet, queue, settings.served_model_name,
                                                  refresh_interval_s(settings.heartbeat_interval_s),
                                                  app.state.fleet_history),
@@ -105,7 +122,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    metrics = ApiMetrics()
+    metrics = ApiMetrics(settings.tenant_policies())
     app.state.metrics = metrics
     app.state.fleet_history = FleetHistory(refresh_interval_s(settings.heartbeat_interval_s))
     install_error_handlers(app)

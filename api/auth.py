@@ -7,18 +7,13 @@ job records are readable by anyone with Redis access) and only that key can read
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 from fastapi import Request
 
 from api.errors import APIError
 from shared.config import Settings
-
-
-def owner_of(api_key: str) -> str:
-    """The owner tag stored with a job: SHA-256 of the key, hex (64 chars; JobSubmission allows 128)."""
-    return hashlib.sha256(api_key.encode()).hexdigest()
+from shared.tenants import owner_of
 
 
 def _bearer_token(request: Request) -> str | None:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from api.fleet import FleetCollector
 from shared.lifecycle_log import RECOVERIES
+from shared.tenants import KeyPolicy, TenantPolicies
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -21,8 +22,9 @@ class ApiMetrics:
     """Request counts and latency by route template, jobs submitted by model and endpoint, the job transitions
     this API performs (submissions, its reaper's recoveries), and the fleet's state read from Redis (``fleet``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, policies: TenantPolicies | None = None) -> None:
         self.registry = CollectorRegistry()
+        self._policies = policies or TenantPolicies({}, default=KeyPolicy())
         self.requests = Counter(
             "tokenspool_api_requests", "HTTP requests answered", ["method", "route", "status"],
             registry=self.registry,
@@ -44,12 +46,36 @@ class ApiMetrics:
         self.jobs = Counter(
             "tokenspool_jobs", "job transitions performed by this API", ["model", "event"], registry=self.registry,
         )
+        # Per API key, labelled by its configured name (or key-<hash prefix>): bounded by the keys configured,
+        # and never the key itself.
+        self.key_jobs_submitted = Counter(
+            "tokenspool_api_key_jobs_submitted", "jobs enqueued by this API per API key", ["key", "model"],
+            registry=self.registry,
+        )
+        self.key_rate_limited = Counter(
+            "tokenspool_api_key_rate_limited", "submissions refused by a key's rate limit",
+            ["key", "limit"], registry=self.registry,
+        )
         self.fleet = FleetCollector()
         self.registry.register(self.fleet)
 
-    def job_submitted(self, model: str, endpoint: str) -> None:
+    def key_name(self, owner: str | None) -> str:
+        """The metrics name of the API key whose owner tag is ``owner`` (shared.tenants)."""
+        return self._policies.of(owner).name
+
+    def job_submitted(self, model: str, endpoint: str, owner: str | None = None) -> None:
         self.jobs_submitted.labels(model, endpoint).inc()
         self.jobs.labels(model, "submitted").inc()
+        self.key_jobs_submitted.labels(self.key_name(owner), model).inc()
+
+    def rate_limited(self, owner: str | None, limit: str) -> None:
+        """A key's rate limit (``requests``, ``tokens`` or ``jobs``) refused a submission."""
+        self.jobs_rejected.labels("rate_limited").inc()
+        self.key_rate_limited.labels(self.key_name(owner), limit).inc()
+
+    def jobs_expired(self, model: str, count: int) -> None:
+        """This API's reaper found ``count`` queued jobs past their start-by time and expired them."""
+        self.jobs.labels(model, "expired").inc(count)
 
     def job_reaped(self, model: str, status: str) -> None:
         """The API's reaper took a job back from a dead worker and left it ``status``."""

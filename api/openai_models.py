@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.schemas import check_unicode
+from shared.schemas import MAX_TIMEOUT_S, check_unicode
 
 
 class _Request(BaseModel):
@@ -69,6 +69,10 @@ class SamplingRequest(_Request):
         return {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
                 "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
                 "structured_outputs": self.structured_outputs}
+    queue_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
+                                          description="must start within this many seconds, else 504 job_expired")
+    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="must end within this many seconds; "
+                                    "a running job stops with finish_reason timeout")
 
 
 class CompletionRequest(SamplingRequest):

@@ -15,8 +15,8 @@ from api.metrics import ApiMetrics
 from api.openai_format import completion_response, usage_info
 from api.openai_models import CompletionResponse
 from api.relay import JobRelay, run_until_disconnect
-from api.submission import queue_full, record_submitted
-from shared.queue import JobQueue, QueueFullError
+from api.submission import record_submitted, refused
+from shared.queue import JobQueue, QueueFullError, RateLimitedError
 from shared.schemas import DoneEvent, ErrorEvent, JobRecord, JobStatus, JobSubmission, Usage
 
 Prompt = tuple[str | None, list[int] | None]  # (text, None) or (None, token ids)
@@ -51,6 +51,9 @@ def finished_job(final: DoneEvent | ErrorEvent | None) -> JobRecord:
         if error.startswith("invalid job"):  # the worker refused the request's input (docs/protocol.md): a 400
             raise invalid_request(error, code="invalid_job")
         raise APIError(500, error, type="server_error", code="job_failed")
+    if final.job.status == JobStatus.EXPIRED and not final.job.choices:  # not started before its deadline
+        raise APIError(504, final.job.error or "expired: not started within its deadline", type="timeout",
+                       code="job_expired")
     return final.job
 
 
@@ -82,11 +85,12 @@ async def _start_all(queue: JobQueue, metrics: ApiMetrics, submissions: list[Job
             relay = JobRelay(queue, submission.id, submission=submission)
             await relay.start()
             relays.append(relay)
-    except QueueFullError as exc:
-        await queue.rollback([r.job_id for r in relays], "its request was refused (queue full) and rolled back")
+    except (QueueFullError, RateLimitedError) as exc:
+        await queue.rollback([r.job_id for r in relays], "its request was refused (queue full or rate limit) and "
+                             "rolled back")
         for relay in relays:
             await relay.close()
-        raise queue_full(exc, metrics) from exc
+        raise refused(exc, submissions[0].owner, metrics) from exc
     for submission in submissions:
         record_submitted(metrics, submission, "completions")
     return relays

@@ -138,8 +138,8 @@ async def openai_stream(relay: JobRelay, fmt: ChunkFormat, *, n: int, include_us
 def _closing_chunks(done: DoneEvent, fmt: ChunkFormat, text: StreamText, n: int, include_usage: bool
                     ) -> list[bytes]:
     job = done.job
-    if job.status == JobStatus.FAILED:
-        return [_error(job.error or "the job failed")]
+    if job.status == JobStatus.FAILED or (job.status == JobStatus.EXPIRED and not job.choices):
+        return [_error(job.error or f"the job {job.status.value}")]
     by_index = {choice.index: choice for choice in job.choices}
     chunks = []
     for index in range(n):

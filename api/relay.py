@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from api.sse import wait_for_disconnect
-from shared.queue import JobQueue
+from shared.queue import JobQueue, RateState
 from shared.schemas import DoneEvent, ErrorEvent, JobRecord, JobSubmission, StreamEvent
 
 _END = object()
@@ -54,6 +54,7 @@ class JobRelay:
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[tuple[JobRecord, bool] | None] | None = None
         self.finished = False  # a DoneEvent or ErrorEvent was relayed: the job needs no cancelling
+        self.rate: RateState | None = None  # the key's rate budget after the submission (None: no limits)
 
     async def start(self) -> tuple[JobRecord, bool] | None:
         """Subscribe, then submit; returns ``queue.submit``'s ``(record, created)`` (None without a submission)."""
@@ -69,7 +70,10 @@ class JobRelay:
         assert self._ready is not None
         try:
             async with self._queue.open_stream(self.job_id, after_seq=self._after_seq) as stream:
-                result = await self._queue.submit(self._submission) if self._submission is not None else None
+                result = None
+                if self._submission is not None:
+                    record, created, self.rate = await self._queue.submit_with_rate(self._submission)
+                    result = (record, created)
                 self._ready.set_result(result)
                 async for event in stream:
                     await self._room.acquire()

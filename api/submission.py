@@ -10,8 +10,9 @@ import logging
 import math
 import secrets
 import time
-from typing import Any
+from typing import Any, TypedDict
 
+from fastapi import Response
 from pydantic import ValidationError
 
 from api.chat_template import ChatTemplateError
@@ -20,7 +21,7 @@ from api.metrics import ApiMetrics
 from api.tokenization import ModelCatalog, ServedModel
 from shared.config import Settings
 from shared.lifecycle_log import job_fields
-from shared.queue import JobQueue, QueueFullError
+from shared.queue import JobQueue, QueueFullError, RateLimitedError, RateState
 from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,8 @@ def build_params(fields: dict[str, Any]) -> GenerationParams:
 def build_submission(*, job_id: str, model: ServedModel, params: GenerationParams, owner: str | None, n: int,
                      priority: int, background: bool, idempotency_key: str | None = None,
                      prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                     messages: list[ChatMessage] | None = None, tools: list[ToolSpec] | None = None
-                     ) -> JobSubmission:
+                     messages: list[ChatMessage] | None = None, tools: list[ToolSpec] | None = None,
+                     queue_timeout_s: float | None = None, timeout_s: float | None = None) -> JobSubmission:
     """The wire job. Idempotency keys need no scoping here: the queue keys them by owner, so two tenants
     choosing the same key never see each other's job."""
     try:
@@ -161,10 +162,69 @@ def build_submission(*, job_id: str, model: ServedModel, params: GenerationParam
             id=job_id, model=model.name, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
             tools=tools or None,
             params=params, n=n, priority=priority, idempotency_key=idempotency_key,
-            owner=owner, background=background, created_at=time.time(),
+            owner=owner, background=background, created_at=time.time(), queue_timeout_s=queue_timeout_s,
+            timeout_s=timeout_s,
         )
     except ValidationError as exc:
         raise invalid_input(exc) from exc
+
+
+def rate_headers(state: RateState | None) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers for a key's budget (only the limits it has)."""
+    if state is None:
+        return {}
+    headers: dict[str, str] = {}
+    for kind, limit, left, reset_s in (("requests", state.limit_requests, state.remaining_requests,
+                                        state.reset_requests_s),
+                                       ("tokens", state.limit_tokens, state.remaining_tokens, state.reset_tokens_s)):
+        if limit:
+            headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(left)
+            headers[f"x-ratelimit-reset-{kind}"] = reset_duration(reset_s)
+    return headers
+
+
+def reset_duration(seconds: float) -> str:
+    """A reset time as OpenAI writes it: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+def rate_limited(exc: RateLimitedError, owner: str | None, metrics: ApiMetrics) -> APIError:
+    """429 ``rate_limit_exceeded`` with ``Retry-After`` and the key's ``x-ratelimit-*`` headers."""
+    metrics.rate_limited(owner, exc.limit)
+    what = {"requests": "requests per minute", "tokens": "tokens per minute", "jobs": "unfinished jobs"}[exc.limit]
+    headers = rate_headers(exc.state)
+    if exc.retry_after_s is None:
+        message = f"Request too large: it needs more tokens than this key's {what} limit allows."
+    else:
+        retry_after = max(1, math.ceil(exc.retry_after_s))
+        headers["Retry-After"] = str(retry_after)
+        message = f"Rate limit reached on {what} for this API key. Please try again in {retry_after}s."
+    return APIError(429, message, type=exc.limit, code="rate_limit_exceeded", headers=headers)
+
+
+def refused(exc: QueueFullError | RateLimitedError, owner: str | None, metrics: ApiMetrics) -> APIError:
+    """The 429 that answers a submission the queue refused (queue full, or a rate limit)."""
+    if isinstance(exc, RateLimitedError):
+        return rate_limited(exc, owner, metrics)
+    return queue_full(exc, metrics)
+
+
+class Deadlines(TypedDict):
+    """A job's timeouts, as ``build_submission`` takes them."""
+
+    queue_timeout_s: float | None
+    timeout_s: float | None
+
+
+def deadlines(settings: Settings, queue_timeout_s: float | None, timeout_s: float | None) -> Deadlines:
+    """A job's ``queue_timeout_s`` and ``timeout_s``: the request's, else the server's defaults."""
+    return {"queue_timeout_s": queue_timeout_s if queue_timeout_s is not None else settings.queue_timeout_s,
+            "timeout_s": timeout_s if timeout_s is not None else settings.job_timeout_s}
 
 
 def queue_full(exc: QueueFullError, metrics: ApiMetrics) -> APIError:
@@ -175,13 +235,16 @@ def queue_full(exc: QueueFullError, metrics: ApiMetrics) -> APIError:
                     headers={"Retry-After": str(retry_after)})
 
 
-async def submit(queue: JobQueue, submission: JobSubmission, metrics: ApiMetrics, endpoint: str
-                 ) -> tuple[JobRecord, bool]:
-    """Enqueue (no stream); 429 when the model's queue is full."""
+async def submit(queue: JobQueue, submission: JobSubmission, metrics: ApiMetrics, endpoint: str,
+                 response: Response | None = None) -> tuple[JobRecord, bool]:
+    """Enqueue (no stream); 429 when the model's queue is full or a rate limit refuses it. ``response`` gets the
+    key's ``x-ratelimit-*`` headers."""
     try:
-        record, created = await queue.submit(submission)
-    except QueueFullError as exc:
-        raise queue_full(exc, metrics) from exc
+        record, created, rate = await queue.submit_with_rate(submission)
+    except (QueueFullError, RateLimitedError) as exc:
+        raise refused(exc, submission.owner, metrics) from exc
+    if response is not None:
+        response.headers.update(rate_headers(rate))
     if created:
         record_submitted(metrics, submission, endpoint)
     return record, created
@@ -189,7 +252,7 @@ async def submit(queue: JobQueue, submission: JobSubmission, metrics: ApiMetrics
 
 def record_submitted(metrics: ApiMetrics, submission: JobSubmission, endpoint: str) -> None:
     """Count and log a job this API enqueued (never its prompt: the worker logs that, if ``log_prompts``)."""
-    metrics.job_submitted(submission.model, endpoint)
+    metrics.job_submitted(submission.model, endpoint, submission.owner)
     log.info("job %s submitted", submission.id,
              extra=job_fields("submitted", submission.id, submission.model, endpoint=endpoint,
                               priority=submission.priority, n=submission.n, background=submission.background))

@@ -13,6 +13,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.tenants import KeyPolicy, TenantPolicies
+
 
 def default_data_dir() -> Path:
     """Where the embedded Redis keeps its AOF: ``~/.local/share/tokenspool``."""
@@ -55,6 +57,19 @@ class Settings(BaseSettings):
         64, ge=4, description="API's Redis connections at most (a command waits for a free one); all open streams "
         "share one of them for their live events")
 
+    # --- tenants: deadlines, rate limits, fair share (README "Sharing the fleet") ----------------------
+    queue_timeout_s: float | None = Field(None, gt=0, description="default: a job must start within this many "
+                                          "seconds or end expired; unset = wait forever")
+    job_timeout_s: float | None = Field(None, gt=0, description="default: a job must end within this many seconds "
+                                        "of submission (a running one stops with finish reason timeout)")
+    rate_limit_rpm: int = Field(0, ge=0, description="default requests per minute per API key and model; 0 = off")
+    rate_limit_tpm: int = Field(0, ge=0, description="default tokens (prompt + max_tokens) per minute per API "
+                                "key and model; 0 = off")
+    rate_limit_jobs: int = Field(0, ge=0, description="default queued + running jobs per API key and model; 0 = off")
+    api_key_policies: dict[str, KeyPolicy] = Field(
+        default_factory=dict, description='per API key: {"<key>": {"name", "rpm", "tpm", "max_jobs", "weight"}} '
+        "(JSON); unset fields take the defaults above, weight 1")
+
     # --- worker / engine -----------------------------------------------------------------------------
     model: str = Field("smollm2", description="built-in name, local HF folder or .gguf file")
     model_name: str | None = Field(None, description="name served to clients; default: the --model value")
@@ -93,6 +108,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
+
+    def tenant_policies(self) -> TenantPolicies:
+        """Each API key's policy by owner tag, with these settings' defaults (shared.tenants)."""
+        default = KeyPolicy(rpm=self.rate_limit_rpm, tpm=self.rate_limit_tpm, max_jobs=self.rate_limit_jobs,
+                            weight=1.0)
+        return TenantPolicies(self.api_key_policies, default)
 
     @property
     def served_model_name(self) -> str:

@@ -73,6 +73,49 @@ def queue_wake(model: str) -> str:
     return f"{QUEUE_PREFIX}{model}{QUEUE_WAKE_SUFFIX}"
 
 
+# Fair share, deadlines and rate limits (docs/protocol.md, "Tenants"). A tenant is a job's owner (the hash of its
+# API key), or ``-`` for jobs without one. Every key below carries the model's hash tag, so one model's queue,
+# its tenants, deadlines and rate budgets map to one Cluster slot.
+QUEUE_TENANTS_SUFFIX = "}:tenants"
+QUEUE_VTIME_SUFFIX = "}:vtime"
+QUEUE_TENANT_SUFFIX = "}:tenant:"
+QUEUE_DEADLINES_SUFFIX = "}:deadlines"
+QUEUE_RATE_SUFFIX = "}:rate:"
+NO_OWNER_TENANT = "-"
+
+
+def tenant_of(owner: str | None) -> str:
+    """The fair-share tenant (and rate-limit budget) of a job: its owner, or ``-`` without one."""
+    return owner or NO_OWNER_TENANT
+
+
+def queue_tenants(model: str) -> str:
+    """Sorted set: the tenants with queued jobs of the model, scored by their fair-share weight."""
+    return f"{QUEUE_PREFIX}{model}{QUEUE_TENANTS_SUFFIX}"
+
+
+def queue_vtime(model: str) -> str:
+    """Hash: tenant -> virtual time (tokens served / weight, start-time fair queuing); field ``*`` is the
+    queue's virtual time (the start tag of the latest claim)."""
+    return f"{QUEUE_PREFIX}{model}{QUEUE_VTIME_SUFFIX}"
+
+
+def queue_tenant(model: str, tenant: str) -> str:
+    """Sorted set: the tenant's queued job ids of the model, same scores as in ``queue(model)``."""
+    return f"{QUEUE_PREFIX}{model}{QUEUE_TENANT_SUFFIX}{tenant}"
+
+
+def queue_deadlines(model: str) -> str:
+    """Sorted set: queued job ids of the model that must start by a time (Redis server time, seconds)."""
+    return f"{QUEUE_PREFIX}{model}{QUEUE_DEADLINES_SUFFIX}"
+
+
+def queue_rate(model: str, tenant: str) -> str:
+    """Hash: the tenant's rate-limit state for the model (GCRA arrival times ``tat_r``/``tat_t``, unfinished
+    jobs ``jobs``)."""
+    return f"{QUEUE_PREFIX}{model}{QUEUE_RATE_SUFFIX}{tenant}"
+
+
 IDEMPOTENCY_PREFIX = f"{PREFIX}idem:"
 
 

@@ -21,6 +21,7 @@ LifecycleEvent = Literal[
     "requeued",  # reaper: lease expired, back in the queue (a restart for its readers)
     "dead_lettered",  # reaper or release: out of attempts, failed and dead-lettered
     "lease_lost",  # worker: another holder took over; this worker dropped it
+    "expired",  # worker: its deadline passed (not started in time: by a claim; running: stopped, partial text)
 ]
 
 

@@ -17,8 +17,9 @@ from shared.grammar import MAX_GRAMMAR_CHARS, GrammarKind, check_grammar
 from shared.sampling import GREEDY_BELOW_TEMPERATURE, SAMPLING_RANGES, beam_search_conflict
 
 SCHEMA_VERSION = 1
+MAX_TIMEOUT_S = 30 * 86_400.0  # the longest queue_timeout_s / timeout_s a job may carry
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "timeout"]  # timeout: past the job's timeout_s
 
 
 def check_unicode(data: Any) -> Any:
@@ -185,6 +186,11 @@ class JobSubmission(_Wire):
     owner: str | None = Field(None, max_length=128, description="hash of the API key that created the job")
     background: bool = Field(False, description="keep running when the streaming client disconnects")
     created_at: float | None = None
+    queue_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+                                          description="must start within this many seconds, else it ends expired")
+    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+                                    description="must end within this many seconds of submission: expired if not "
+                                    "started by then; a running job stops with finish reason timeout")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobSubmission:
@@ -203,17 +209,20 @@ class JobSubmission(_Wire):
 
 
 class JobStatus(str, Enum):
-    """The job state machine: queued -> running -> succeeded | failed | cancelled (running -> queued on retry)."""
+    """The job state machine: queued -> running -> succeeded | failed | cancelled | expired (running -> queued on
+    retry). ``expired``: the job's deadline passed, before it started (no result, never on a worker) or while it
+    ran (its partial text, finish reason ``timeout``)."""
 
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"
 
     @property
     def is_terminal(self) -> bool:
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
 class TokenLogprob(_Wire):

@@ -45,6 +45,7 @@ class Scripts:
     cancel: AsyncScript
     rollback: AsyncScript
     reap: AsyncScript
+    expire: AsyncScript
     register: AsyncScript
     deregister: AsyncScript
 

@@ -35,7 +35,10 @@ class Claimer:
         wanted = min(CLAIMS_PER_STEP, await self._ctx.engine_thread.call(self._ctx.engine.free_seats))
         if not wanted:
             return [], True
-        claims = await self._ctx.redis(self._ctx.queue.claim, self._ctx.model, self._ctx.worker_id, wanted, not active)
+        claims, num_expired = await self._ctx.redis(self._ctx.queue.claim_and_expire, self._ctx.model,
+                                                    self._ctx.worker_id, wanted, not active)
+        for _ in range(num_expired):
+            self._ctx.metrics.on_job_event("expired")
         started = [job for claim in claims if (job := await self._start(claim, active)) is not None]
         return started, len(claims) == wanted
 

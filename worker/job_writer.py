@@ -17,6 +17,8 @@ from worker.outbox import Finish, Publish, Release, Write
 
 log = logging.getLogger(__name__)
 
+FINISHED_METRIC = {"finished": "completed", "cancelled": "cancelled", "expired": "expired"}
+
 
 class JobWriter:
     """Writes a worker's jobs to the queue (``write`` is called by the outbox's one task, in order)."""
@@ -68,10 +70,10 @@ class JobWriter:
             log.warning("job %s result rejected: lease lost (stale fence)", job.job_id,
                         extra=self._fields("lease_lost", job))
             return
-        cancelled = any(c.finish_reason == "abort" for c in result.choices)
-        event: LifecycleEvent = "cancelled" if cancelled else "finished"
-        self._ctx.metrics.on_job_finished("cancelled" if cancelled else "completed", job.claim.submission.created_at,
-                                      time.time())
+        reasons = {c.finish_reason for c in result.choices}
+        event: LifecycleEvent = ("cancelled" if "abort" in reasons else "expired" if "timeout" in reasons
+                                 else "finished")
+        self._ctx.metrics.on_job_finished(FINISHED_METRIC[event], job.claim.submission.created_at, time.time())
         for choice in job.choices:
             self._ctx.metrics.on_sequence_finished(len(choice.token_ids), choice.first_token_at, choice.last_token_at)
         log.info("job %s %s", job.job_id, event,

@@ -94,11 +94,17 @@ class ActiveJob:
     next_seq: int = 1
     first_token_published: bool = False
     error: str | None = None  # a choice failed in the engine: the whole job fails with this reason
+    deadline: float | None = None  # time.monotonic() past which the job stops (its timeout_s), None: never
 
     @classmethod
     def start(cls, claim: ClaimedJob) -> ActiveJob:
         wants_logprobs = claim.submission.params.logprobs is not None
-        return cls(claim, [ChoiceState(logprobs=[] if wants_logprobs else None) for _ in range(claim.submission.n)])
+        deadline = time.monotonic() + claim.time_left_s if claim.time_left_s is not None else None
+        return cls(claim, [ChoiceState(logprobs=[] if wants_logprobs else None) for _ in range(claim.submission.n)],
+                   deadline=deadline)
+
+    def past_deadline(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
 
     @property
     def job_id(self) -> str:
@@ -140,11 +146,11 @@ class ActiveJob:
         self.next_seq += 1
         return event
 
-    def abort(self) -> None:
-        """The unfinished choices end now (a cancel): finish reason ``abort``, text so far kept."""
+    def abort(self, reason: FinishReason = "abort") -> None:
+        """The unfinished choices end now, text so far kept: ``abort`` (a cancel) or ``timeout`` (its deadline)."""
         for choice in self.choices:
             if choice.finish_reason is None:
-                choice.finish_reason = "abort"
+                choice.finish_reason = reason
 
     def result(self) -> JobResult:
         """Choices in index order; the prompt is counted once (the n choices share it)."""

@@ -24,7 +24,7 @@ STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15,
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 # Job transitions a worker performs (label ``event`` of tokenspool_jobs_total).
-JOB_EVENTS = ("completed", "failed", "cancelled", "retried", "dead_lettered")
+JOB_EVENTS = ("completed", "failed", "cancelled", "retried", "dead_lettered", "expired")
 # Our counter (attribute) fed by each cumulative EngineStats field.
 ENGINE_COUNTERS = (("preemptions", "num_preemptions"), ("prefix_queries", "prefix_cache_queries"),
                    ("prefix_hits", "prefix_cache_hits"), ("draft_tokens", "num_draft_tokens"),
@@ -124,7 +124,8 @@ class WorkerMetrics:
             self.tpot.labels(self.model).observe((last_token_at - first_token_at) / (num_output_tokens - 1))
 
     def on_job_finished(self, event: str, created_at: float | None, at: float) -> None:
-        """The worker completed the job (``completed`` or ``cancelled``): counts it and its end-to-end time."""
+        """The worker completed the job (``completed``, ``cancelled`` or ``expired``): counts it and its
+        end-to-end time."""
         self.on_job_event(event)
         if created_at is not None:
             self.e2e.labels(self.model).observe(max(0.0, at - created_at))

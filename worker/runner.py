@@ -17,7 +17,7 @@ import time
 
 from shared.config import Settings
 from shared.queue import JobQueue
-from shared.schemas import TokenEvent, TokenLogprob
+from shared.schemas import FinishReason, TokenEvent, TokenLogprob
 from worker.claims import Claimer, abort_all
 from worker.context import WorkerContext
 from worker.control import Control
@@ -162,7 +162,8 @@ class Runner:
                 for out in outputs]
 
     async def _apply_control(self) -> None:
-        """Drop jobs whose lease was lost; finish jobs a client cancelled (their text so far, as ``abort``).
+        """Drop jobs whose lease was lost; finish jobs a client cancelled (their text so far, as ``abort``) and
+        jobs past their timeout (as ``timeout``).
 
         A lost lease is matched by fence, not only by job id: the queue may have handed the job back to this
         very worker (a new attempt, a new fence) before the old attempt's refusal arrived.
@@ -174,10 +175,18 @@ class Runner:
                 await self._ctx.engine_thread.call(abort_all, self._ctx.engine, job.unfinished_request_ids())
                 log.warning("job %s dropped: lease lost", job_id, extra=self._ctx.fields("lease_lost", job_id))
         for job_id in self._control.take_cancelled() & self._active.keys():
-            job = self._active.pop(job_id)
-            await self._ctx.engine_thread.call(abort_all, self._ctx.engine, job.unfinished_request_ids())
-            job.abort()
-            await self._outbox.put(Finish(job))  # behind its last events, by construction
+            await self._stop_job(job_id, "abort")
+        now = time.monotonic()
+        for job_id in [job.job_id for job in self._active.values() if job.past_deadline(now)]:
+            log.info("job %s past its timeout; stopping it", job_id, extra=self._ctx.fields("expired", job_id))
+            await self._stop_job(job_id, "timeout")
+
+    async def _stop_job(self, job_id: str, reason: FinishReason) -> None:
+        """End an active job now with its text so far: its unfinished choices get ``reason``."""
+        job = self._active.pop(job_id)
+        await self._ctx.engine_thread.call(abort_all, self._ctx.engine, job.unfinished_request_ids())
+        job.abort(reason)
+        await self._outbox.put(Finish(job))  # behind its last events, by construction
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
         """Release what did not finish (uncharged), stop the background tasks, leave the registry.

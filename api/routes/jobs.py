@@ -28,17 +28,19 @@ from api.submission import (
     check_caps,
     check_length,
     count_prompt_tokens,
+    deadlines,
     new_job_id,
-    queue_full,
     record_submitted,
+    refused,
     resolve_model,
     submit,
 )
 from api.tokenization import ServedModel
 from shared.config import Settings
 from shared.job_stream import MAX_EVENT_SEQ
-from shared.queue import JobQueue, QueueFullError
+from shared.queue import JobQueue, QueueFullError, RateLimitedError
 from shared.schemas import (
+    MAX_TIMEOUT_S,
     ChatMessage,
     DoneEvent,
     ErrorEvent,
@@ -68,6 +70,12 @@ class _JobOptions(GenerationParams):
     n: int = Field(1, ge=1, description="choices; capped by the server's max_n")
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first")
     background: bool = Field(False, description="stored with the job; jobs submitted here always run to the end")
+    queue_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
+                                          description="must start within this many seconds, else it ends expired; "
+                                          "default: the server's queue_timeout_s")
+    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
+                                    description="must end within this many seconds (a running job stops with "
+                                    "finish reason timeout); default: the server's job_timeout_s")
 
     @model_validator(mode="before")
     @classmethod
@@ -140,7 +148,8 @@ async def _prepare(settings: Settings, model: ServedModel, options: _JobOptions,
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages" if messages else "prompt")
     return build_submission(job_id=new_job_id(), model=model, params=params, owner=owner, n=options.n,
                             priority=options.priority, background=options.background, prompt=prompt,
-                            prompt_token_ids=prompt_token_ids, messages=messages, idempotency_key=idempotency_key)
+                            prompt_token_ids=prompt_token_ids, messages=messages, idempotency_key=idempotency_key,
+                            **deadlines(settings, options.queue_timeout_s, options.timeout_s))
 
 
 @router.post("", status_code=202, response_model=JobAccepted)
@@ -151,7 +160,7 @@ async def create_job(body: JobCreate, response: Response, settings: SettingsDep,
     model = await resolve_model(catalog, body.model)
     submission = await _prepare(settings, model, body, owner, prompt=body.prompt, messages=body.messages,
                           prompt_token_ids=body.prompt_token_ids, idempotency_key=body.idempotency_key)
-    record, created = await submit(queue, submission, metrics, endpoint="jobs")
+    record, created = await submit(queue, submission, metrics, endpoint="jobs", response=response)
     if not created:
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
@@ -182,10 +191,10 @@ async def create_jobs(body: JobBatchCreate, settings: SettingsDep, queue: QueueD
             if created:
                 created_ids.append(record.id)
                 record_submitted(metrics, submission, "batch")
-    except QueueFullError as exc:
+    except (QueueFullError, RateLimitedError) as exc:
         # Only the jobs this call created: a job an idempotency key replayed belongs to an earlier request.
-        await queue.rollback(created_ids, "its batch was refused (queue full) and rolled back")
-        raise queue_full(exc, metrics) from exc
+        await queue.rollback(created_ids, "its batch was refused (queue full or rate limit) and rolled back")
+        raise refused(exc, owner, metrics) from exc
     return JobBatchAccepted(data=[_accepted(r) for r in records])
 
 

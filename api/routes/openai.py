@@ -39,14 +39,16 @@ from api.submission import (
     check_caps,
     check_length,
     count_prompt_tokens,
+    deadlines,
     default_max_tokens,
     new_job_id,
-    queue_full,
+    rate_headers,
     record_submitted,
+    refused,
     resolve_model,
 )
 from api.tool_calls import ToolCallChunks, ToolPlan, apply_tool_calls, plan_tools
-from shared.queue import JobQueue, QueueFullError
+from shared.queue import JobQueue, QueueFullError, RateLimitedError
 from shared.schemas import ChatMessage, FunctionCall, GenerationParams, Grammar, JobRecord, JobSubmission, ToolCall
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -96,7 +98,8 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
         check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
         submissions.append(build_submission(job_id=new_job_id(), model=model, params=params, owner=owner, n=body.n,
                                             priority=body.priority, background=body.background, prompt=prompt,
-                                            prompt_token_ids=prompt_token_ids))
+                                            prompt_token_ids=prompt_token_ids,
+                                            **deadlines(settings, body.queue_timeout_s, body.timeout_s)))
     created = int(time.time())
     if len(submissions) > 1:
         return await run_prompts(request, queue, metrics, submissions, created=created, n=body.n,
@@ -134,7 +137,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     job_id = new_job_id()
     submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,
                                   priority=body.priority, background=body.background, messages=messages,
-                                  tools=tools)
+                                  tools=tools, **deadlines(settings, body.queue_timeout_s, body.timeout_s))
     created = int(time.time())
     chunks = ChatChunks(f"chatcmpl-{job_id}", created, model.name, body.logprobs)
     fmt: ChunkFormat = ToolCallChunks(chunks, tool_plan) if tool_plan else chunks
@@ -154,18 +157,21 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
     relay = JobRelay(queue, submission.id, submission=submission)
     try:
         await relay.start()
-    except QueueFullError as exc:
-        raise queue_full(exc, metrics) from exc
+    except (QueueFullError, RateLimitedError) as exc:
+        raise refused(exc, submission.owner, metrics) from exc
     record_submitted(metrics, submission, endpoint)
 
     async def cancel_if_abandoned() -> None:
         if not submission.background and not relay.finished:
             await queue.cancel(submission.id)
 
+    headers = rate_headers(relay.rate)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = openai_stream(relay, fmt, n=submission.n, include_usage=include_usage, metrics=metrics)
-        return EventStreamResponse(stream, on_disconnect=cancel_if_abandoned)
+        response = EventStreamResponse(stream, on_disconnect=cancel_if_abandoned)
+        response.headers.update(headers)
+        return response
     try:
         final, disconnected = await run_until_disconnect(relay.final, request.receive)
     finally:
@@ -174,7 +180,7 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
         with anyio.CancelScope(shield=True):
             await cancel_if_abandoned()
         return Response(status_code=499)  # nobody reads this: the client is gone
-    return Response(render(finished_job(final)).model_dump_json(), media_type="application/json")
+    return Response(render(finished_job(final)).model_dump_json(), media_type="application/json", headers=headers)
 
 
 def _params(body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None) -> GenerationParams:

@@ -27,6 +27,8 @@ _QUEUE = ("redis_url", "max_queue_length", "result_ttl_s", "lease_ttl_s", "heart
           "stream_maxlen")
 _API = ("host", "port", "api_keys", "max_body_bytes", "max_tokens_cap", "max_n", "max_batch_size",
         "max_header_bytes", "header_timeout_s", "tokenize_threads", "redis_max_connections")
+_TENANTS = ("queue_timeout_s", "job_timeout_s", "rate_limit_rpm", "rate_limit_tpm", "rate_limit_jobs",
+            "api_key_policies")
 _MODEL = ("model", "model_name", "model_cache_dir")
 _ENGINE = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
            "kv_cache_bytes", "enable_prefix_caching", "speculative", "draft_model", "num_speculative_tokens",
@@ -37,9 +39,9 @@ _LOG = ("log_level", "log_prompts")
 # The Settings fields each command takes as flags. `up` passes its settings on to the processes it starts;
 # it takes no --worker-id because each of its workers needs its own.
 COMMAND_FIELDS: dict[str, tuple[str, ...]] = {
-    "api": _QUEUE + _API + _MODEL + _LOG,
+    "api": _QUEUE + _API + _TENANTS + _MODEL + _LOG,
     "worker": _QUEUE + _MODEL + _ENGINE + ("worker_id",) + _LOG,
-    "up": ("data_dir", "workers") + _QUEUE + _API + _MODEL + _ENGINE + _LOG,
+    "up": ("data_dir", "workers") + _QUEUE + _API + _TENANTS + _MODEL + _ENGINE + _LOG,
     "models": ("model_cache_dir", "log_level"),
 }
 
@@ -90,6 +92,9 @@ def _add_setting(parser: argparse.ArgumentParser, field: str) -> None:
     common: dict[str, Any] = {"dest": field, "default": argparse.SUPPRESS, "help": help_text}
     if kind is bool:
         parser.add_argument(*flags(field), action=argparse.BooleanOptionalAction, **common)
+        return
+    if kind is dict:  # a JSON object, as its environment variable takes it
+        parser.add_argument(*flags(field), metavar="JSON", type=json.loads, **common)
         return
     metavar = "SECONDS" if field.endswith("_s") else {int: "N", float: "X", Path: "PATH", list: "A,B"}.get(kind)
     # Values stay strings here: Settings validates them, with the field's range in the error message.
@@ -207,6 +212,8 @@ def redacted_settings(settings: Settings) -> dict[str, Any]:
     """The settings as JSON-ready values with secrets masked: each API key, the Redis password."""
     values = settings.model_dump(mode="json")
     values["api_keys"] = [REDACTED for _ in settings.api_keys]
+    values["api_key_policies"] = {f"{REDACTED} ({i})": policy.model_dump(mode="json")  # keyed by the secret
+                                  for i, policy in enumerate(settings.api_key_policies.values())}
     if settings.redis_url is not None:
         values["redis_url"] = redact_url(settings.redis_url)
     return values

@@ -33,6 +33,59 @@ local function live_channel(ctx, id) return ctx.job_prefix .. id .. ctx.live_suf
 local function queue_key(ctx, model) return ctx.queue_prefix .. model .. ctx.queue_suffix end
 local function wake_channel(ctx, model) return ctx.queue_prefix .. model .. ctx.wake_suffix end
 local function cancels_key(ctx, wid) return ctx.worker_prefix .. wid .. ctx.cancels_suffix end
+local function tenants_key(ctx, model) return ctx.queue_prefix .. model .. ctx.tenants_suffix end
+local function vtime_key(ctx, model) return ctx.queue_prefix .. model .. ctx.vtime_suffix end
+local function tenant_queue_key(ctx, model, tenant) return ctx.queue_prefix .. model .. ctx.tenant_suffix .. tenant end
+local function deadlines_key(ctx, model) return ctx.queue_prefix .. model .. ctx.deadlines_suffix end
+
+-- The fair-share tenant of a job record: its `tenant` field (submit.lua), else its owner, else '-'.
+local function tenant_of(jk)
+  local tenant, owner = unpack(redis.call('HMGET', jk, 'tenant', 'owner'))
+  if tenant and tenant ~= '' then return tenant end
+  if owner and owner ~= '' then return owner end
+  return '-'
+end
+
+-- Put a queued job (back) into its tenant's sub-queue, the tenant among the model's active ones, and its
+-- start-by time (if any) into the model's deadlines.
+local function enqueue_tenant(ctx, model, id, score)
+  local jk = job_key(ctx, id)
+  local tenant = tenant_of(jk)
+  redis.call('ZADD', tenant_queue_key(ctx, model, tenant), score, id)
+  redis.call('ZADD', tenants_key(ctx, model), 'NX', tonumber(redis.call('HGET', jk, 'weight') or '1') or 1, tenant)
+  local start_by = redis.call('HGET', jk, 'start_by')
+  if start_by then redis.call('ZADD', deadlines_key(ctx, model), start_by, id) end
+  return tenant
+end
+
+-- Take a job out of the model's queue, its tenant's sub-queue (dropping the tenant from the active ones when
+-- that empties) and the deadlines.
+local function unqueue(ctx, model, id)
+  local tenant = tenant_of(job_key(ctx, id))
+  local tq = tenant_queue_key(ctx, model, tenant)
+  redis.call('ZREM', queue_key(ctx, model), id)
+  redis.call('ZREM', tq, id)
+  redis.call('ZREM', deadlines_key(ctx, model), id)
+  if redis.call('ZCARD', tq) == 0 then redis.call('ZREM', tenants_key(ctx, model), tenant) end
+end
+
+-- A job's end settles what it was charged: its slot among the key's unfinished jobs, the tokens reserved
+-- against tokens-per-minute beyond the `used` ones, and its tenant's virtual time beyond the tokens used.
+-- `used` nil (a failed job) keeps the charges. Runs once: the fields that record the charges are removed.
+local function settle(ctx, jk, used)
+  local rkey, reserved, tok_s, model, tenant, cost, weight, charged = unpack(redis.call('HMGET', jk,
+    'rkey', 'reserved', 'tok_s', 'model', 'tenant', 'cost', 'weight', 'charged'))
+  if rkey then
+    redis.call('HINCRBY', rkey, 'jobs', -1)
+    if used and tonumber(tok_s or '0') > 0 then
+      redis.call('HINCRBYFLOAT', rkey, 'tat_t', -(tonumber(reserved) - used) * tonumber(tok_s))
+    end
+  end
+  if used and charged == '1' and tenant and model then
+    redis.call('HINCRBYFLOAT', vtime_key(ctx, model), tenant, (used - tonumber(cost)) / tonumber(weight))
+  end
+  redis.call('HDEL', jk, 'rkey', 'charged')
+end
 
 -- Append one event to the job's replay log and channel. `body` is a JSON object without "seq"; the job's
 -- seq counter numbers it, so seq grows across attempts and no worker needs to know earlier attempts.
@@ -48,8 +101,10 @@ end
 
 -- Terminal transition: status + fields, out of the in-flight set, a done marker in the log, and the result
 -- TTL on every key of the job (record, log, idempotency key).
-local function finish(ctx, inflight, id, status, fields)
+-- `used`: the tokens the job used (prompt + generated), or nil when unknown (see `settle`).
+local function finish(ctx, inflight, id, status, fields, used)
   local jk = job_key(ctx, id)
+  settle(ctx, jk, used)
   redis.call('HSET', jk, 'status', status, 'finished_at', fmt(now()), unpack(fields))
   redis.call('ZREM', inflight, id)
   local wid = redis.call('HGET', jk, 'worker_id')
@@ -72,7 +127,11 @@ local function requeue(ctx, inflight, id)
   redis.call('HDEL', jk, 'worker_id', 'started_at', 'first_token_at')
   redis.call('HINCRBY', jk, 'fence', 1)
   redis.call('ZREM', inflight, id)
+  -- The queue timeout bounds the first start only; a restarted job must start before its total deadline.
+  local deadline = redis.call('HGET', jk, 'deadline')
+  if deadline then redis.call('HSET', jk, 'start_by', deadline) else redis.call('HDEL', jk, 'start_by') end
   redis.call('ZADD', queue_key(ctx, model), score, id)
+  enqueue_tenant(ctx, model, id, score)
   redis.call('PUBLISH', wake_channel(ctx, model), id)
   local seq = emit(ctx, id, '{"type":"restart","attempt":' .. (tonumber(attempts) + 1) .. '}')
   redis.call('XTRIM', log_key(ctx, id), 'MINID', seq .. '-0')
@@ -121,12 +180,33 @@ local function cancel_job(ctx, inflight, id, error)
   local status, model, wid = unpack(redis.call('HMGET', jk, 'status', 'model', 'worker_id'))
   if not status then return nil end
   if status == 'queued' then
-    redis.call('ZREM', queue_key(ctx, model), id)
-    finish(ctx, inflight, id, 'cancelled', error and {'error', error} or {})
+    unqueue(ctx, model, id)
+    finish(ctx, inflight, id, 'cancelled', error and {'error', error} or {}, 0)
   elseif status == 'running' then
     redis.call('HSET', jk, 'cancel', 1)
     redis.call('SADD', cancels_key(ctx, wid), id)
     redis.call('PUBLISH', ctx.control_prefix .. wid, id)
   end
   return status
+end
+
+-- Expire up to `limit` queued jobs of `model` whose start-by time passed: out of the queues, finalised
+-- `expired` with the reason in `error`, never given to a worker. Returns how many.
+local function expire_overdue(ctx, inflight, model, limit)
+  local dk = deadlines_key(ctx, model)
+  local overdue = redis.call('ZRANGEBYSCORE', dk, '-inf', fmt(now()), 'LIMIT', 0, limit)
+  local n = 0
+  for _, id in ipairs(overdue) do
+    local jk = job_key(ctx, id)
+    if redis.pcall('HGET', jk, 'status') == 'queued' then
+      local attempts = tonumber(redis.call('HGET', jk, 'attempts') or '0') or 0
+      local why = attempts > 0 and 'not restarted before its total timeout' or 'not started within its deadline'
+      unqueue(ctx, model, id)
+      finish(ctx, inflight, id, 'expired', {'error', 'expired: ' .. why}, 0)
+      n = n + 1
+    else
+      redis.call('ZREM', dk, id)
+    end
+  end
+  return n
 end

@@ -7,12 +7,20 @@ event stream is ``shared.job_stream``, the pub/sub plumbing ``shared.pubsub``.
 """
 
 from shared.pubsub import TRANSIENT_ERRORS
-from shared.queue.base import ClaimedJob, QueueFullError, RecoveredJob, priority_of_score, record_from_fields
+from shared.queue.base import (
+    ClaimedJob,
+    QueueFullError,
+    RateLimitedError,
+    RateState,
+    RecoveredJob,
+    priority_of_score,
+    record_from_fields,
+)
 from shared.queue.client import ClientSide
 from shared.queue.worker import WorkerSide
 
-__all__ = ["TRANSIENT_ERRORS", "ClaimedJob", "JobQueue", "QueueFullError", "RecoveredJob", "priority_of_score",
-           "record_from_fields"]
+__all__ = ["TRANSIENT_ERRORS", "ClaimedJob", "JobQueue", "QueueFullError", "RateLimitedError", "RateState",
+           "RecoveredJob", "priority_of_score", "record_from_fields"]
 
 
 class JobQueue(ClientSide, WorkerSide):

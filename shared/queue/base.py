@@ -40,6 +40,41 @@ class QueueFullError(Exception):
 
 
 @dataclass(frozen=True)
+class RateState:
+    """A tenant's rate budget for one model after a submission, as OpenAI's ``x-ratelimit-*`` headers carry it
+    (limits 0 = unlimited)."""
+
+    limit_requests: int
+    remaining_requests: int
+    reset_requests_s: float
+    limit_tokens: int
+    remaining_tokens: int
+    reset_tokens_s: float
+
+    @classmethod
+    def from_reply(cls, reply: Sequence[Any]) -> RateState | None:
+        """The ``<rate>`` part of a submit.lua reply (empty: no limits)."""
+        if not reply:
+            return None
+        rpm, left_r, reset_r, tpm, left_t, reset_t = (as_text(x) for x in reply)
+        return cls(int(rpm), max(0, int(left_r)), max(0.0, float(reset_r)), int(tpm), max(0, int(left_t)),
+                   max(0.0, float(reset_t)))
+
+
+class RateLimitedError(Exception):
+    """The tenant's rate limit refused a submission: ``limit`` is ``requests``, ``tokens`` or ``jobs``;
+    ``retry_after_s`` is None when the request can never pass (more tokens than the per-minute limit)."""
+
+    def __init__(self, tenant: str, limit: str, retry_after_s: float | None, state: RateState | None) -> None:
+        when = f"retry after {retry_after_s:.1f} s" if retry_after_s is not None else "it can never pass"
+        super().__init__(f"rate limit of {limit} reached for {tenant}; {when}")
+        self.tenant = tenant
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.state = state
+
+
+@dataclass(frozen=True)
 class ClaimedJob:
     """A job a worker now holds: its ``fence`` must accompany every write, ``attempt`` counts from 1. A job
     claimed ``alone`` must run with no other job beside it until it ends (crash isolation, docs/protocol.md)."""
@@ -48,6 +83,7 @@ class ClaimedJob:
     fence: int
     attempt: int
     alone: bool = False  # an isolated job (it was running when a worker crashed): run nothing beside it
+    time_left_s: float | None = None  # seconds left before its total timeout when claimed (Redis time); None: none
 
 
 @dataclass(frozen=True)
@@ -117,6 +153,8 @@ def script_config(settings: Settings) -> dict[str, str | int | float]:
         "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
         "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
         "max_queue_length": settings.max_queue_length, "owner_jobs_keep": keys.OWNER_JOBS_KEEP,
+        "tenants_suffix": keys.QUEUE_TENANTS_SUFFIX, "vtime_suffix": keys.QUEUE_VTIME_SUFFIX,
+        "tenant_suffix": keys.QUEUE_TENANT_SUFFIX, "deadlines_suffix": keys.QUEUE_DEADLINES_SUFFIX,
     }
 
 
@@ -132,6 +170,7 @@ class QueueBase:
         self._poll_s = poll_interval_s
         self._ctx = json.dumps(script_config(settings))
         self.live_channels = LiveChannels(redis, poll_interval_s)  # one pub/sub connection for every open stream
+        self._policies = settings.tenant_policies()
         self._cards_sent: set[str] = set()
 
     async def publish_config(self) -> None:

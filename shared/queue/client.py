@@ -3,6 +3,7 @@ and see the fleet (queue depths, live workers, model cards, dead letters)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -18,6 +19,8 @@ from shared.queue.base import (
     PRIORITY_STRIDE,
     QueueBase,
     QueueFullError,
+    RateLimitedError,
+    RateState,
     priority_of_score,
     record_from_fields,
     reply_fields,
@@ -45,18 +48,45 @@ class ClientSide(QueueBase):
 
         Raises QueueFullError when the model's queue is at ``max_queue_length``, ValueError for a taken id.
         """
-        job_keys = [keys.job(job.id), keys.queue(job.model), keys.queue_seq(job.model), keys.CONFIG]
-        job_keys += [keys.idempotency(job.owner, job.idempotency_key) if job.idempotency_key is not None else "",
-                     keys.owner_jobs(job.owner)]
+        record, created, _ = await self.submit_with_rate(job)
+        return record, created
+
+    async def submit_with_rate(self, job: JobSubmission) -> tuple[JobRecord, bool, RateState | None]:
+        """``submit``, also returning the tenant's rate budget after it (None when its key has no limits).
+
+        The owner's policy (``Settings.api_key_policies``) gives the fair-share weight and the limits, enforced
+        in the same script that enqueues. Raises RateLimitedError when a limit refuses the job.
+        """
+        model, tenant = job.model, keys.tenant_of(job.owner)
+        policy = self._policies.of(job.owner)
+        idem = keys.idempotency(job.owner, job.idempotency_key) if job.idempotency_key is not None else ""
+        job_keys = [keys.job(job.id), keys.queue(model), keys.queue_seq(model), keys.CONFIG, idem,
+                    keys.queue_tenant(model, tenant), keys.queue_tenants(model), keys.queue_deadlines(model),
+                    keys.owner_jobs(job.owner)]
+        args: list[str | int | float] = [job.model_dump_json(), policy.weight]
+        if policy.has_limits:
+            job_keys.append(keys.queue_rate(model, tenant))
+            args.append(json.dumps({"rpm": policy.rpm, "tpm": policy.tpm, "jobs": policy.max_jobs}))
         try:
-            reply = await self._configured(lambda: self._scripts.submit(keys=job_keys, args=[job.model_dump_json()]))
+            reply = await self._configured(lambda: self._scripts.submit(keys=job_keys, args=args))
         except ResponseError as exc:
             raise ValueError(f"id: {exc}") from exc
         outcome = as_text(reply[0])
         if outcome == "full":
             retry_after = max(1, math.ceil(self._settings.heartbeat_interval_s))
             raise QueueFullError(job.model, int(reply[1]), retry_after)
-        return record_from_fields(reply_fields(reply[1])), outcome == "created"
+        if outcome == "limited":
+            retry_s = float(as_text(reply[2]))
+            raise RateLimitedError(policy.name, as_text(reply[1]), retry_s if retry_s >= 0 else None,
+                                   RateState.from_reply(reply[3]))
+        rate = RateState.from_reply(reply[2]) if len(reply) > 2 else None
+        return record_from_fields(reply_fields(reply[1])), outcome == "created", rate
+
+    async def expire(self, model: str, limit: int = 100) -> int:
+        """Finalise ``expired`` the queued jobs of ``model`` whose start-by time passed; how many. Claims do it
+        too; the API's reaper calls this for models no worker claims from."""
+        return int(await self._scripts.expire(keys=[keys.queue(model), keys.INFLIGHT, keys.queue_deadlines(model)],
+                                              args=[self._ctx, limit]))
 
     async def _configured(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """Run a script that reads ``ts:config``; when the config is missing (a Redis that lost its data since

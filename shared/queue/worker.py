@@ -60,10 +60,19 @@ class WorkerSide(QueueBase):
         A job whose stored submission is not a valid JobSubmission for this queue fails at once with the
         validation error and is not returned; the caller never sees malformed jobs.
         """
-        reply = await self._scripts.claim(keys=[keys.queue(model), keys.INFLIGHT],
+        jobs, _ = await self.claim_and_expire(model, worker_id, max_jobs, idle)
+        return jobs
+
+    async def claim_and_expire(self, model: str, worker_id: str, max_jobs: int, idle: bool = True
+                               ) -> tuple[list[ClaimedJob], int]:
+        """``claim``, and how many queued jobs of ``model`` the claim found past their start-by time and
+        finalised ``expired`` first (claim.lua)."""
+        reply = await self._scripts.claim(keys=[keys.queue(model), keys.INFLIGHT, keys.queue_tenants(model),
+                                                keys.queue_vtime(model), keys.queue_deadlines(model)],
                                           args=[self._ctx, worker_id, max_jobs, int(idle)])
+        num_expired = int(reply[0])
         claimed = []
-        for raw_id, raw_sub, fence, attempt, alone in reply:
+        for raw_id, raw_sub, fence, attempt, alone, time_left in reply[1:]:
             job_id = as_text(raw_id)
             try:
                 submission = JobSubmission.model_validate_json(raw_sub)
@@ -75,8 +84,10 @@ class WorkerSide(QueueBase):
                 log.warning("job %s is malformed, failing it: %s", job_id, reason, extra={"job_id": job_id})
                 await self.fail(job_id, int(fence), f"invalid job: {reason}")
                 continue
-            claimed.append(ClaimedJob(submission, int(fence), int(attempt), alone=int(alone) == 1))
-        return claimed
+            left = as_text(time_left)
+            claimed.append(ClaimedJob(submission, int(fence), int(attempt), alone=int(alone) == 1,
+                                      time_left_s=float(left) if left else None))
+        return claimed, num_expired
 
     async def renew(self, worker_id: str, fences: dict[str, int]) -> list[str]:
         """Extend the leases of the worker's jobs; returns the ids whose lease was lost (abort those)."""
@@ -118,12 +129,16 @@ class WorkerSide(QueueBase):
             return list(await pipe.execute())
 
     async def complete(self, job_id: str, fence: int, result: JobResult) -> bool:
-        """Write the result with the final status: ``cancelled`` if any choice was aborted (a cancel), else
-        ``succeeded``. False: stale fence, rejected."""
-        aborted = any(c.finish_reason == "abort" for c in result.choices)
-        status = JobStatus.CANCELLED if aborted else JobStatus.SUCCEEDED
+        """Write the result with the final status: ``cancelled`` if any choice was aborted (a cancel),
+        ``expired`` if any stopped at the job's timeout, else ``succeeded``. The tokens used settle the job's
+        rate-limit reservation and fair-share charge. False: stale fence, rejected."""
+        reasons = {c.finish_reason for c in result.choices}
+        status = (JobStatus.CANCELLED if "abort" in reasons else
+                  JobStatus.EXPIRED if "timeout" in reasons else JobStatus.SUCCEEDED)
+        used = result.usage.prompt_tokens + result.usage.completion_tokens
         ok = await self._scripts.complete(keys=[keys.job(job_id), keys.INFLIGHT],
-                                          args=[self._ctx, job_id, fence, status.value, result.model_dump_json()])
+                                          args=[self._ctx, job_id, fence, status.value, result.model_dump_json(),
+                                                used])
         return bool(int(ok))
 
     async def fail(self, job_id: str, fence: int, error: str) -> bool:

@@ -48,10 +48,11 @@ class ObservedQueue(JobQueue):
         super().__init__(redis, **kwargs)  # type: ignore[arg-type]
         self._timeline = timeline
 
-    async def claim(self, model: str, worker_id: str, max_jobs: int, idle: bool = True) -> list[ClaimedJob]:
-        jobs = await super().claim(model, worker_id, max_jobs, idle)
+    async def claim_and_expire(self, model: str, worker_id: str, max_jobs: int, idle: bool = True
+                               ) -> tuple[list[ClaimedJob], int]:
+        jobs, num_expired = await super().claim_and_expire(model, worker_id, max_jobs, idle)
         self._timeline.claims.append((max_jobs, len(jobs)))
-        return jobs
+        return jobs, num_expired
 
     async def publish_many(self, batches: Iterable[tuple[str, int, Sequence[TokenEvent | RestartEvent]]]
                            ) -> list[bool]:
