@@ -129,12 +129,13 @@ async def test_jobs_without_an_owner_form_their_own_tenant(queue: JobQueue) -> N
     assert anonymous.id in order
 
 
-async def test_a_job_pushed_with_the_old_three_keys_still_runs(queue: JobQueue, redis: Redis) -> None:
-    """A backend that EVALs submit.lua with only the record, queue and counter keys (docs/protocol.md) still gets
-    its job run: it joins its tenant's sub-queue when it reaches the head of the queue."""
+async def test_a_job_pushed_with_only_the_required_keys_runs(queue: JobQueue, redis: Redis) -> None:
+    """A backend that EVALs submit.lua with only the record, queue, counter and config keys (docs/protocol.md)
+    still gets its job run: it joins its tenant's sub-queue when it reaches the head of the queue."""
     raw = job_of(None)
-    await redis.eval(lua_source("submit"), 3, keys.job(raw.id), keys.queue(MODEL), keys.queue_seq(MODEL),
-                     raw.model_dump_json(), 100)
+    await queue.publish_config()
+    await redis.eval(lua_source("submit"), 4, keys.job(raw.id), keys.queue(MODEL), keys.queue_seq(MODEL),
+                     keys.CONFIG, raw.model_dump_json())
     await queue.submit(job_of(OWNER_A))
 
     ran = [await run_one(queue), await run_one(queue)]
