@@ -17,15 +17,18 @@ from fastapi_offline import FastAPIOffline
 
 from api.deps import Resources
 from api.errors import install_error_handlers
+from api.fire_and_forget import start_loops
 from api.fleet import refresh_forever, refresh_interval_s
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimitMiddleware, MetricsMiddleware
-from api.routes import health, jobs, openai
+from api.routes import batches, files, health, jobs, openai
 from api.tokenization import ModelCatalog
 from shared.config import Settings
 from shared.queue import JobQueue
 
 log = logging.getLogger(__name__)
+
+MULTIPART_OVERHEAD_BYTES = 65_536  # an upload's multipart framing and form fields, beyond the file itself
 
 
 def reap_interval_s(settings: Settings) -> float:
@@ -67,6 +70,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
              asyncio.create_task(refresh_forever(metrics.fleet, queue, settings.served_model_name,
                                                  refresh_interval_s(settings.heartbeat_interval_s)),
                                  name="fleet-metrics")]
+    tasks += start_loops(client, queue, settings, metrics)
     try:
         yield
     finally:
@@ -95,7 +99,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(openai.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     # Added last = outermost: metrics see every answer, including the body limit's 413.
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       path_limits={"/v1/files": settings.file_max_bytes + MULTIPART_OVERHEAD_BYTES})
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -108,6 +108,8 @@ class JobSubmission(_Wire):
     owner: str | None = Field(None, max_length=128, description="hash of the API key that created the job")
     background: bool = Field(False, description="keep running when the streaming client disconnects")
     created_at: float | None = None
+    webhook_url: str | None = Field(None, max_length=2048, description="where the job's terminal event is also "
+                                    "sent (the API checks the host against the operator's allow-list)")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobSubmission:

@@ -117,6 +117,7 @@ class QueueBase:
             "control_prefix": keys.CONTROL_PREFIX, "lease_ttl_s": settings.lease_ttl_s,
             "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
             "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
+            "events_key": keys.JOB_EVENTS, "events_maxlen": keys.JOB_EVENTS_MAXLEN,
         })
         self._cards_sent: set[str] = set()
 
