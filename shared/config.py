@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     batch_poll_s: float = Field(1.0, gt=0, description="seconds between a replica's rounds over active batches")
     webhook_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="operator webhook endpoints: every job and batch event goes to each")
-    webhook_secret: str | None = Field(None, description="Standard Webhooks signing secret (whsec_<base64>)")
+    webhook_signing_key: str | None = Field(None, description="Standard Webhooks signing secret (whsec_<base64>)")
     webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="hosts a job's or batch's own webhook_url may name; empty = none")
     webhook_retry_s: float = Field(86_400.0, gt=0, description="seconds a delivery is retried before it is "

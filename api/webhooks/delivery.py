@@ -65,13 +65,13 @@ class WebhookDelivery:
     """The delivery loop of one replica."""
 
     def __init__(self, redis: Redis, settings: Settings, metrics: WebhookMetrics | None = None) -> None:
-        if not settings.webhook_secret:
-            raise ValueError("webhook_secret: webhooks are configured (webhook_urls or webhook_allowed_hosts), so "
+        if not settings.webhook_signing_key:
+            raise ValueError("webhook_signing_key: webhooks are configured (webhook_urls or webhook_allowed_hosts), so "
                              "a signing secret is required (whsec_<base64>)")
         self._redis = redis
         self._settings = settings
         self._metrics = metrics
-        self._signer = Webhook(settings.webhook_secret)
+        self._signer = Webhook(settings.webhook_signing_key)
         self._claim = redis.register_script(lua_source("webhook_claim"))
 
     async def run_forever(self, poll_s: float = 0.5) -> None:

@@ -91,7 +91,7 @@ def receiver() -> Iterator[Receiver]:
 
 
 def _webhook_api(start_api: Callable[..., ApiServer], receiver: Receiver, **overrides: Any) -> ApiServer:
-    return start_api(webhook_urls=[receiver.url()], webhook_secret=SECRET, webhook_allowed_hosts=["localhost"],
+    return start_api(webhook_urls=[receiver.url()], webhook_signing_key=SECRET, webhook_allowed_hosts=["localhost"],
                      webhook_backoff_s=0.1, batch_poll_s=0.1, **overrides)
 
 
