@@ -227,7 +227,8 @@ def test_api_restart_mid_batch_loses_and_repeats_nothing(start_api: Callable[...
     wait_until(lambda: len(worker.claimed) >= 3, what="some lines done")
     first.stop()
     # A line's job submitted by the stopped API stays the line's job: nothing resubmits it.
-    assert redis.Redis.from_url(redis_url).hget(keys.batch(batch.id), "status") == b"in_progress"
+    with redis.Redis.from_url(redis_url) as r:
+        assert r.hget(keys.batch(batch.id), "status") == b"in_progress"
     second = start_api(batch_poll_s=0.1, batch_max_queued=2)
     done = _wait_status(_client(second), batch.id, ("completed",))
     output = _lines(_client(second), done.output_file_id)

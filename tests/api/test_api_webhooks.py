@@ -135,7 +135,8 @@ def test_every_event_arrives_signed_after_failed_attempts(start_api: Callable[..
             Webhook(SECRET).verify(attempt.body, attempt.headers)
     done = [p for path, p in receiver.delivered() if p["type"] == "job.succeeded"][0]
     assert done["data"]["status"] == "succeeded" and done["data"]["text"]
-    assert redis.Redis.from_url(api.settings.redis_url or "").zcard(keys.WEBHOOKS_DUE) == 0
+    with redis.Redis.from_url(api.settings.redis_url or "") as r:
+        assert r.zcard(keys.WEBHOOKS_DUE) == 0
 
 
 def test_callback_hosts_must_be_allowed(start_api: Callable[..., ApiServer], receiver: Receiver) -> None:
@@ -150,12 +151,14 @@ def test_callback_hosts_must_be_allowed(start_api: Callable[..., ApiServer], rec
 
 
 def test_gives_up_into_the_dead_letter_set(start_api: Callable[..., ApiServer], receiver: Receiver,
-                                           worker: InProcessWorker, caplog: pytest.LogCaptureFixture) -> None:
+                                           worker: InProcessWorker, caplog: pytest.LogCaptureFixture,
+                                           request: pytest.FixtureRequest) -> None:
     receiver.fail_first = 10**6
     api = _webhook_api(start_api, receiver, webhook_retry_s=1.0)
     with api.client() as http:
         http.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 1})
     client = redis.Redis.from_url(api.settings.redis_url or "")
+    request.addfinalizer(client.close)
     wait_until(lambda: client.zcard(keys.WEBHOOKS_DEAD) == 1, timeout_s=20, what="dead-lettered")
     [message_id] = [x.decode() for x in client.zrange(keys.WEBHOOKS_DEAD, 0, -1)]
     record = client.hgetall(keys.webhook(message_id))
@@ -168,9 +171,11 @@ def test_gives_up_into_the_dead_letter_set(start_api: Callable[..., ApiServer], 
 
 
 def test_events_survive_an_api_restart(start_api: Callable[..., ApiServer], receiver: Receiver,
-                                       start_worker: Callable[..., InProcessWorker]) -> None:
+                                       start_worker: Callable[..., InProcessWorker],
+                                       request: pytest.FixtureRequest) -> None:
     first = _webhook_api(start_api, receiver)
     client = redis.Redis.from_url(first.settings.redis_url or "")
+    request.addfinalizer(client.close)
     wait_until(lambda: bool(client.exists(keys.JOB_EVENTS)), what="the job-event group")
     start_worker(token_delay_s=0.05)
     with first.client() as http:
