@@ -68,6 +68,8 @@ class BatchRunner:
                 continue  # another replica holds it this round
             try:
                 await self.advance(batch_id)
+            except Exception:  # one broken batch must not stall the others: it is retried next round
+                log.warning("batch %s: advancing failed; retrying next round", batch_id, exc_info=True)
             finally:
                 try:
                     await lock.release()
