@@ -17,11 +17,12 @@ from fastapi_offline import FastAPIOffline
 
 from api.deps import Resources
 from api.errors import install_error_handlers
+from api.fire_and_forget import start_loops
 from api.fleet import refresh_forever, refresh_interval_s
 from api.fleet_history import FleetHistory
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimitMiddleware, MetricsMiddleware
-from api.routes import fleet_view, health, job_list, jobs, openai, responses
+from api.routes import batches, files, fleet_view, health, job_list, jobs, openai, responses
 from api.routes.console import install_console
 from api.tokenization import ModelCatalog
 from shared.config import Settings
@@ -30,6 +31,7 @@ from shared.queue import JobQueue
 log = logging.getLogger(__name__)
 
 EXPIRE_INTERVAL_S = 1.0  # how late the API notices a queued job past its deadline, at most
+MULTIPART_OVERHEAD_BYTES = 65_536  # an upload's multipart framing and form fields, beyond the file itself
 
 
 def reap_interval_s(settings: Settings) -> float:
@@ -99,6 +101,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                                  refresh_interval_s(settings.heartbeat_interval_s),
                                                  app.state.fleet_history),
                                  name="fleet-metrics")]
+    tasks += start_loops(client, queue, settings, metrics)
     try:
         yield
     finally:
@@ -133,7 +136,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(job_list.router)
     app.include_router(fleet_view.router)
     install_console(app)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     # Added last = outermost: metrics see every answer, including the body limit's 413.
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       path_limits={"/v1/files": settings.file_max_bytes + MULTIPART_OVERHEAD_BYTES})
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -23,17 +23,19 @@ class BodySizeLimitMiddleware:
     HTTPException handler turns into the OpenAI error body), so the server never buffers more than the limit.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.path_limits = path_limits or {}  # exact path -> its own limit (file uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            response = error_response(413, self._message(), code="request_too_large")
+        if declared is not None and declared > limit:
+            response = error_response(413, self._message(limit), code="request_too_large")
             await response(scope, receive, send)
             return
         received = 0
@@ -43,14 +45,14 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise HTTPException(413, self._message())
+                if received > limit:
+                    raise HTTPException(413, self._message(limit))
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _message(self) -> str:
-        return f"request body larger than the limit of {self.max_body_bytes} bytes"
+    def _message(self, limit: int) -> str:
+        return f"request body larger than the limit of {limit} bytes"
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -70,6 +70,27 @@ class Settings(BaseSettings):
         default_factory=dict, description='per API key: {"<key>": {"name", "rpm", "tpm", "max_jobs", "weight"}} '
         "(JSON); unset fields take the defaults above, weight 1")
 
+    # --- files, batches, webhooks (docs: README "Batches and webhooks") ------------------------------------
+    file_max_bytes: int = Field(50 * 1_048_576, ge=1024, description="largest file POST /v1/files accepts (kept "
+                                "in Redis: size Redis's memory for it)")
+    file_retention_s: int = Field(7 * 86_400, ge=60, description="seconds uploaded and batch output files live")
+    batch_max_lines: int = Field(50_000, ge=1, description="most requests in one batch input file")
+    batch_priority: int = Field(-100, ge=-1000, le=1000, description="priority of batch lines' jobs (interactive "
+                                "requests default to 0 and run first)")
+    batch_max_queued: int = Field(256, ge=1, description="jobs of one batch queued or running at once")
+    batch_window_s: int = Field(86_400, ge=1, description="seconds a batch has to finish (its completion_window, "
+                                "24h); unfinished lines then end batch_expired")
+    batch_poll_s: float = Field(1.0, gt=0, description="seconds between a replica's rounds over active batches")
+    webhook_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="operator webhook endpoints: every job and batch event goes to each")
+    webhook_signing_key: str | None = Field(None, description="Standard Webhooks signing secret (whsec_<base64>)")
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="hosts a job's or batch's own webhook_url may name; empty = none")
+    webhook_retry_s: float = Field(86_400.0, gt=0, description="seconds a delivery is retried before it is "
+                                   "dead-lettered")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="seconds one delivery attempt may take")
+    webhook_backoff_s: float = Field(1.0, gt=0, description="first retry delay; doubles each attempt, up to 10 min")
+
     # --- worker / engine -----------------------------------------------------------------------------
     model: str = Field("smollm2", description="built-in name, local HF folder or .gguf file")
     model_name: str | None = Field(None, description="name served to clients; default: the --model value")
@@ -101,7 +122,7 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_prompts: bool = Field(False, description="include prompt and output text in logs")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "webhook_urls", "webhook_allowed_hosts", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         """Accept ``TOKENSPOOL_API_KEYS=key1,key2`` as well as a JSON list."""

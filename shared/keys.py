@@ -155,3 +155,65 @@ def owner_jobs(owner: str | None) -> str:
     newest ``OWNER_JOBS_KEEP``, expiring ``result_ttl_s`` after the owner's last submission. The console's job
     list reads it; an entry whose job expired is skipped when read."""
     return f"{OWNER_PREFIX}{owner or '-'}{OWNER_JOBS_SUFFIX}"
+
+
+# --- files and batches (the OpenAI Files and Batch APIs, api/files.py, api/batches/) -------------------------
+FILE_PREFIX = f"{PREFIX}file:{{"
+FILES_PREFIX = f"{PREFIX}files:"
+BATCH_PREFIX = f"{PREFIX}batch:{{"
+BATCHES_PREFIX = f"{PREFIX}batches:"
+BATCHES_ACTIVE = f"{PREFIX}batches:active"  # zset: batch_id -> created_at, batches a runner must advance
+
+
+def file(file_id: str) -> str:
+    """Hash: an uploaded or generated file (metadata fields and ``content``), expiring at its retention time."""
+    return f"{FILE_PREFIX}{file_id}}}"
+
+
+def files_of(owner: str | None) -> str:
+    """Sorted set: the owner's file ids by creation time (ids of expired files are pruned when listed)."""
+    return f"{FILES_PREFIX}{owner or '-'}"
+
+
+def batch(batch_id: str) -> str:
+    """Hash: a batch's state (static ``meta`` JSON, ``status``, timestamps, counts, submit cursor, file ids)."""
+    return f"{BATCH_PREFIX}{batch_id}}}"
+
+
+def batch_lines(batch_id: str) -> str:
+    """List: the batch's validated lines (custom_id, render options, JobSubmission), index = input line - 1."""
+    return f"{BATCH_PREFIX}{batch_id}}}:lines"
+
+
+def batch_results(batch_id: str) -> str:
+    """Hash: line index -> the line's output JSON; written once per line (HSETNX), so no line completes twice."""
+    return f"{BATCH_PREFIX}{batch_id}}}:results"
+
+
+def batch_lease(batch_id: str) -> str:
+    """String: the lease of the API replica advancing the batch now (a redis-py lock, expiring)."""
+    return f"{BATCH_PREFIX}{batch_id}}}:lease"
+
+
+def batches_of(owner: str | None) -> str:
+    """Sorted set: the owner's batch ids by creation time, for ``GET /v1/batches``."""
+    return f"{BATCHES_PREFIX}owner:{owner or '-'}"
+
+
+def batch_job_id(batch_id: str, index: int) -> str:
+    """The job id of line ``index`` of a batch: fixed by the line, so submitting a line twice finds the job."""
+    return f"{batch_id}-{index}"
+
+
+# --- webhooks (api/webhooks/) ---------------------------------------------------------------------------------
+JOB_EVENTS = f"{PREFIX}events:jobs"  # stream: one entry (job_id, status) per terminal transition (lib.lua finish)
+JOB_EVENTS_MAXLEN = 100_000
+JOB_EVENTS_GROUP = "webhooks"  # the consumer group of the API replicas turning job events into deliveries
+WEBHOOK_PREFIX = f"{PREFIX}webhook:"
+WEBHOOKS_DUE = f"{PREFIX}webhooks:due"  # zset: message id -> time of its next attempt (Redis time)
+WEBHOOKS_DEAD = f"{PREFIX}webhooks:dead"  # zset: message id -> time it was given up on
+
+
+def webhook(message_id: str) -> str:
+    """Hash: one delivery (url, payload, event type, attempts, first/last attempt, last error)."""
+    return f"{WEBHOOK_PREFIX}{message_id}"

@@ -191,6 +191,8 @@ class JobSubmission(_Wire):
     timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
                                     description="must end within this many seconds of submission: expired if not "
                                     "started by then; a running job stops with finish reason timeout")
+    webhook_url: str | None = Field(None, max_length=2048, description="where the job's terminal event is also "
+                                    "sent (the API checks the host against the operator's allow-list)")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobSubmission:

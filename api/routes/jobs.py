@@ -36,6 +36,7 @@ from api.submission import (
     submit,
 )
 from api.tokenization import ServedModel
+from api.webhooks.outbox import check_callback_url
 from shared.config import Settings
 from shared.job_stream import MAX_EVENT_SEQ
 from shared.queue import JobQueue, QueueFullError, RateLimitedError
@@ -94,6 +95,8 @@ class JobCreate(_JobOptions):
     prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     idempotency_key: str | None = Field(None, min_length=1, max_length=200,
                                         description="a repeated key returns the first job instead of a new one")
+    webhook_url: str | None = Field(None, max_length=2048, description="also send the job's terminal event here "
+                                    "(its host must be in the operator's webhook_allowed_hosts)")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobCreate:
@@ -157,9 +160,12 @@ async def create_job(body: JobCreate, response: Response, settings: SettingsDep,
                      catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep) -> JobAccepted:
     """Enqueue one job. A repeated ``idempotency_key`` answers 200 with the first job (``Idempotent-Replayed``)."""
     check_caps(settings, max_tokens=body.max_tokens, n=body.n)
+    check_callback_url(settings, body.webhook_url, param="webhook_url")
     model = await resolve_model(catalog, body.model)
     submission = await _prepare(settings, model, body, owner, prompt=body.prompt, messages=body.messages,
                           prompt_token_ids=body.prompt_token_ids, idempotency_key=body.idempotency_key)
+    if body.webhook_url is not None:
+        submission = submission.model_copy(update={"webhook_url": body.webhook_url})
     record, created = await submit(queue, submission, metrics, endpoint="jobs", response=response)
     if not created:
         response.status_code = 200

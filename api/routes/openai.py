@@ -47,7 +47,9 @@ from api.submission import (
     refused,
     resolve_model,
 )
+from api.tokenization import ModelCatalog, ServedModel
 from api.tool_calls import ToolCallChunks, ToolPlan, apply_tool_calls, plan_tools
+from shared.config import Settings
 from shared.queue import JobQueue, QueueFullError, RateLimitedError
 from shared.schemas import ChatMessage, FunctionCall, GenerationParams, Grammar, JobRecord, JobSubmission, ToolCall
 
@@ -80,26 +82,7 @@ async def retrieve_model(model_id: str, catalog: CatalogDep, _owner: OwnerDep) -
              responses={200: {"content": {"text/event-stream": {}}}})
 async def create_completion(body: CompletionRequest, request: Request, settings: SettingsDep, queue: QueueDep,
                             catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep) -> Response:
-    _reject_unsupported_completion(body)
-    check_caps(settings, max_tokens=body.max_tokens, n=body.n)
-    prompts = split_prompts(body.prompt)
-    if len(prompts) > 1 and body.stream:
-        raise invalid_request("a list of prompts cannot be streamed; stream one request per prompt", param="prompt")
-    if len(prompts) > settings.max_batch_size:
-        raise invalid_request(f"at most {settings.max_batch_size} prompts per request, got {len(prompts)}",
-                              param="prompt")
-    model = await resolve_model(catalog, body.model)
-    params = _params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
-    params = params.model_copy(update={"grammar": grammar_of(body.response_format, body.structured_extras())})
-    check_beam_search(settings, params, param="n")
-    submissions = []
-    for prompt, prompt_token_ids in prompts:
-        num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
-        check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
-        submissions.append(build_submission(job_id=new_job_id(), model=model, params=params, owner=owner, n=body.n,
-                                            priority=body.priority, background=body.background, prompt=prompt,
-                                            prompt_token_ids=prompt_token_ids,
-                                            **deadlines(settings, body.queue_timeout_s, body.timeout_s)))
+    model, submissions = await completion_submissions(body, settings, catalog, owner)
     created = int(time.time())
     if len(submissions) > 1:
         return await run_prompts(request, queue, metrics, submissions, created=created, n=body.n,
@@ -120,6 +103,56 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, settings: SettingsDep,
                                  queue: QueueDep, catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep
                                  ) -> Response:
+    model, submission, tool_plan = await chat_submission(body, settings, catalog, owner)
+    job_id = submission.id
+    created = int(time.time())
+    chunks = ChatChunks(f"chatcmpl-{job_id}", created, model.name, body.logprobs)
+    fmt: ChunkFormat = ToolCallChunks(chunks, tool_plan) if tool_plan else chunks
+
+    def render(job: JobRecord) -> ChatCompletionResponse:
+        response = chat_response(job, completion_id=f"chatcmpl-{job_id}", created=created, n=body.n,
+                                 want_logprobs=body.logprobs)
+        return apply_tool_calls(response, tool_plan) if tool_plan else response
+
+    return await _run_job(request, queue, metrics, submission, body, fmt, render, endpoint="chat")
+
+
+async def completion_submissions(body: CompletionRequest, settings: Settings, catalog: ModelCatalog,
+                                 owner: str | None, *, job_id: str | None = None, priority: int | None = None,
+                                 background: bool | None = None) -> tuple[ServedModel, list[JobSubmission]]:
+    """The jobs of a completion request, after every check the endpoint makes (APIError when it refuses).
+    ``job_id``/``priority``/``background`` override the request's (a batch line: one prompt, its own id)."""
+    _reject_unsupported_completion(body)
+    check_caps(settings, max_tokens=body.max_tokens, n=body.n)
+    prompts = split_prompts(body.prompt)
+    if len(prompts) > 1 and body.stream:
+        raise invalid_request("a list of prompts cannot be streamed; stream one request per prompt", param="prompt")
+    if len(prompts) > settings.max_batch_size:
+        raise invalid_request(f"at most {settings.max_batch_size} prompts per request, got {len(prompts)}",
+                              param="prompt")
+    if job_id is not None and len(prompts) > 1:
+        raise invalid_request("a batch line takes one prompt, got a list", param="prompt")
+    model = await resolve_model(catalog, body.model)
+    params = _params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    params = params.model_copy(update={"grammar": grammar_of(body.response_format, body.structured_extras())})
+    check_beam_search(settings, params, param="n")
+    submissions = []
+    for prompt, prompt_token_ids in prompts:
+        num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
+        check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
+        submissions.append(build_submission(
+            job_id=job_id or new_job_id(), model=model, params=params, owner=owner, n=body.n,
+            priority=body.priority if priority is None else priority,
+            background=body.background if background is None else background, prompt=prompt,
+            prompt_token_ids=prompt_token_ids, **deadlines(settings, body.queue_timeout_s, body.timeout_s)))
+    return model, submissions
+
+
+async def chat_submission(body: ChatCompletionRequest, settings: Settings, catalog: ModelCatalog,
+                          owner: str | None, *, job_id: str | None = None, priority: int | None = None,
+                          background: bool | None = None) -> tuple[ServedModel, JobSubmission, ToolPlan | None]:
+    """The job of a chat completion request, after every check the endpoint makes (APIError when it refuses), and
+    its tool plan (None without tools): how its output becomes tool calls."""
     _reject_unsupported_chat(body)
     requested_max = body.max_completion_tokens or body.max_tokens
     check_caps(settings, max_tokens=requested_max, n=body.n)
@@ -134,20 +167,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = params.model_copy(update={"grammar": _chat_grammar(body, tool_plan)})
     check_beam_search(settings, params, param="n")
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages")
-    job_id = new_job_id()
-    submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=body.n,
-                                  priority=body.priority, background=body.background, messages=messages,
-                                  tools=tools, **deadlines(settings, body.queue_timeout_s, body.timeout_s))
-    created = int(time.time())
-    chunks = ChatChunks(f"chatcmpl-{job_id}", created, model.name, body.logprobs)
-    fmt: ChunkFormat = ToolCallChunks(chunks, tool_plan) if tool_plan else chunks
-
-    def render(job: JobRecord) -> ChatCompletionResponse:
-        response = chat_response(job, completion_id=f"chatcmpl-{job_id}", created=created, n=body.n,
-                                 want_logprobs=body.logprobs)
-        return apply_tool_calls(response, tool_plan) if tool_plan else response
-
-    return await _run_job(request, queue, metrics, submission, body, fmt, render, endpoint="chat")
+    submission = build_submission(job_id=job_id or new_job_id(), model=model, params=params, owner=owner, n=body.n,
+                                  priority=body.priority if priority is None else priority,
+                                  background=body.background if background is None else background,
+                                  messages=messages, tools=tools,
+                                  **deadlines(settings, body.queue_timeout_s, body.timeout_s))
+    return model, submission, tool_plan
 
 
 async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submission: JobSubmission,

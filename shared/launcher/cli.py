@@ -29,6 +29,10 @@ _API = ("host", "port", "api_keys", "max_body_bytes", "max_tokens_cap", "max_n",
         "max_header_bytes", "header_timeout_s", "tokenize_threads", "redis_max_connections")
 _TENANTS = ("queue_timeout_s", "job_timeout_s", "rate_limit_rpm", "rate_limit_tpm", "rate_limit_jobs",
             "api_key_policies")
+# Files, batches and webhooks (the API's fire-and-forget loops).
+_BATCH = ("file_max_bytes", "file_retention_s", "batch_max_lines", "batch_priority", "batch_max_queued",
+          "batch_window_s", "batch_poll_s", "webhook_urls", "webhook_signing_key", "webhook_allowed_hosts",
+          "webhook_retry_s", "webhook_timeout_s", "webhook_backoff_s")
 _MODEL = ("model", "model_name", "model_cache_dir")
 _ENGINE = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
            "kv_cache_bytes", "enable_prefix_caching", "speculative", "draft_model", "num_speculative_tokens",
@@ -39,9 +43,9 @@ _LOG = ("log_level", "log_prompts")
 # The Settings fields each command takes as flags. `up` passes its settings on to the processes it starts;
 # it takes no --worker-id because each of its workers needs its own.
 COMMAND_FIELDS: dict[str, tuple[str, ...]] = {
-    "api": _QUEUE + _API + _TENANTS + _MODEL + _LOG,
+    "api": _QUEUE + _API + _TENANTS + _BATCH + _MODEL + _LOG,
     "worker": _QUEUE + _MODEL + _ENGINE + ("worker_id",) + _LOG,
-    "up": ("data_dir", "workers") + _QUEUE + _API + _TENANTS + _MODEL + _ENGINE + _LOG,
+    "up": ("data_dir", "workers") + _QUEUE + _API + _TENANTS + _BATCH + _MODEL + _ENGINE + _LOG,
     "models": ("model_cache_dir", "log_level"),
 }
 
@@ -214,6 +218,8 @@ def redacted_settings(settings: Settings) -> dict[str, Any]:
     values["api_keys"] = [REDACTED for _ in settings.api_keys]
     values["api_key_policies"] = {f"{REDACTED} ({i})": policy.model_dump(mode="json")  # keyed by the secret
                                   for i, policy in enumerate(settings.api_key_policies.values())}
+    if settings.webhook_signing_key is not None:
+        values["webhook_signing_key"] = REDACTED
     if settings.redis_url is not None:
         values["redis_url"] = redact_url(settings.redis_url)
     return values

@@ -114,6 +114,10 @@ local function finish(ctx, inflight, id, status, fields, used)
   redis.call('EXPIRE', log_key(ctx, id), ctx.result_ttl_s)
   local idem = redis.call('HGET', jk, 'idem')
   if idem then redis.call('EXPIRE', idem, ctx.result_ttl_s) end
+  -- The job-event stream webhooks read (api/webhooks/job_events.py): one entry per terminal transition.
+  if ctx.events_key then
+    redis.call('XADD', ctx.events_key, 'MAXLEN', '~', ctx.events_maxlen, '*', 'job_id', id, 'status', status)
+  end
 end
 
 -- Back to the queue at the job's original score (its priority and FIFO place), under a new fence so the

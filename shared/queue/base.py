@@ -155,6 +155,7 @@ def script_config(settings: Settings) -> dict[str, str | int | float]:
         "max_queue_length": settings.max_queue_length, "owner_jobs_keep": keys.OWNER_JOBS_KEEP,
         "tenants_suffix": keys.QUEUE_TENANTS_SUFFIX, "vtime_suffix": keys.QUEUE_VTIME_SUFFIX,
         "tenant_suffix": keys.QUEUE_TENANT_SUFFIX, "deadlines_suffix": keys.QUEUE_DEADLINES_SUFFIX,
+        "events_key": keys.JOB_EVENTS, "events_maxlen": keys.JOB_EVENTS_MAXLEN,
     }
 
 
