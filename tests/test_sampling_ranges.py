@@ -21,7 +21,9 @@ NOT_SAMPLING = {"model", "n", "stream", "stream_options", "logit_bias", "user", 
                 "response_format", "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities",
                 "audio", "reasoning_effort", "prediction", "web_search_options", "use_beam_search",
                 # structured outputs: they become the job's ``grammar`` (api/structured_output.py)
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                # deadlines: job fields of the submission, not sampling parameters
+                "queue_timeout_s", "timeout_s"}
 FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 
 

@@ -174,12 +174,14 @@ class QueueBase:
         self._policies = settings.tenant_policies()
         self._cards_sent: set[str] = set()
 
-    async def publish_config(self) -> None:
+    async def publish_config(self, replace: bool = True) -> None:
         """Store the key layout and settings the scripts read (``ts:config``), so another backend's submit and
-        cancel need only the job's own data. Every API and worker does this at start; their settings must agree
-        (a difference is logged, and the last process to start wins)."""
+        cancel need only the job's own data. An API stores its settings at start (``replace``); a worker only
+        when none are stored (a new or wiped Redis). Their settings must agree: a difference is logged."""
         mine = {name: str(value) for name, value in script_config(self._settings).items()}
         stored = {as_text(k): as_text(v) for k, v in (await self._redis.hgetall(keys.CONFIG)).items()}
+        if stored and not replace:
+            return
         differ = sorted(name for name, value in mine.items() if name in stored and stored[name] != value)
         if differ:
             log.warning("settings differ from those another process stored in %s: %s; using this process's",

@@ -43,7 +43,7 @@ class WorkerSide(QueueBase):
             args=[info.id, info.model_dump_json(), info_ttl, card.name, card.model_dump_json() if send_card else ""],
         )
         if send_card:
-            await self.publish_config()
+            await self.publish_config(replace=False)
         self._cards_sent.add(info.id)
 
     async def deregister_worker(self, worker_id: str) -> None:

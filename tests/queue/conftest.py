@@ -25,5 +25,9 @@ def settings(redis_url: str) -> Settings:
 
 
 @pytest.fixture()
-def queue(redis: Redis, settings: Settings) -> JobQueue:
-    return JobQueue(redis, settings, poll_interval_s=0.2)
+async def queue(redis: Redis, settings: Settings) -> JobQueue:
+    """The test's queue, its settings stored as the service's (ts:config), as an API does at start: workers of
+    other tests still running on this Redis store theirs only where none are."""
+    job_queue = JobQueue(redis, settings, poll_interval_s=0.2)
+    await job_queue.publish_config()
+    return job_queue

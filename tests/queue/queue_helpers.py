@@ -38,7 +38,9 @@ async def worker_test_queue(redis_url: str) -> AsyncIterator[JobQueue]:
     well inside them) on a bytes client."""
     client = Redis.from_url(redis_url)
     try:
-        yield JobQueue(client, queue_settings(redis_url, lease_ttl_s=2), poll_interval_s=0.5)
+        job_queue = JobQueue(client, queue_settings(redis_url, lease_ttl_s=2), poll_interval_s=0.5)
+        await job_queue.publish_config()
+        yield job_queue
     finally:
         await client.aclose()
 
