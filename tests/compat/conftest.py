@@ -30,7 +30,8 @@ class Service:
 
 
 def _serve(redis_server: RedisServer, model: str, name: str) -> Iterator[Service]:
-    """The API and a worker serving ``model`` as ``name`` until the generator is closed."""
+    """The API and a worker serving ``model`` as ``name`` until the generator is closed (the session's end). The
+    name is the compat suite's own: the worker must not claim the jobs other suites queue on this Redis."""
     if not redis_server.running:
         redis_server.start()
     settings = Settings(redis_url=redis_server.url, model=model, model_name=name, max_num_seqs=8, num_threads=2,
@@ -57,11 +58,11 @@ def _serve(redis_server: RedisServer, model: str, name: str) -> Iterator[Service
 @pytest.fixture(scope="session")
 def service(redis_server: RedisServer) -> Iterator[Service]:
     """SmolLM2: the real model, for outputs whose content matters."""
-    yield from _serve(redis_server, "smollm2", "smollm2")
+    yield from _serve(redis_server, "smollm2", "compat-smollm2")
 
 
 @pytest.fixture(scope="session")
 def tiny_service(redis_server: RedisServer, tiny_llama: Path) -> Iterator[Service]:
     """A tiny random-weight Llama (SmolLM2's tokenizer and chat template): fast, for the protocol's breadth; under
     a grammar even random weights write valid calls and schema-valid JSON."""
-    yield from _serve(redis_server, str(tiny_llama), "tiny")
+    yield from _serve(redis_server, str(tiny_llama), "compat-tiny")
