@@ -56,13 +56,23 @@ def _serve(redis_server: RedisServer, model: str, name: str) -> Iterator[Service
 
 
 @pytest.fixture(scope="session")
-def service(redis_server: RedisServer) -> Iterator[Service]:
-    """SmolLM2: the real model, for outputs whose content matters."""
-    yield from _serve(redis_server, "smollm2", "compat-smollm2")
+def compat_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The compat services' own redis-server: their APIs' background loops (lease reaper, deadline expirer, batch
+    runner) act on every job of the Redis they use, so they must not share the other suites' session Redis."""
+    server = RedisServer(tmp_path_factory.mktemp("compat-redis"), appendonly=False)
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
-def tiny_service(redis_server: RedisServer, tiny_llama: Path) -> Iterator[Service]:
+def service(compat_redis: RedisServer) -> Iterator[Service]:
+    """SmolLM2: the real model, for outputs whose content matters."""
+    yield from _serve(compat_redis, "smollm2", "compat-smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_service(compat_redis: RedisServer, tiny_llama: Path) -> Iterator[Service]:
     """A tiny random-weight Llama (SmolLM2's tokenizer and chat template): fast, for the protocol's breadth; under
     a grammar even random weights write valid calls and schema-valid JSON."""
-    yield from _serve(redis_server, str(tiny_llama), "compat-tiny")
+    yield from _serve(compat_redis, str(tiny_llama), "compat-tiny")

@@ -60,12 +60,19 @@ def test_a_request_with_nan_logits_fails_alone(tiny_llama: Path, poisoned: Engin
     bad = run.finished.pop("poison")
     assert bad.finish_reason == "error" and bad.error is not None and "not finite" in bad.error
     assert bad.new_token_ids == () and run.token_ids["poison"] == []
-    assert {rid: run.token_ids[rid] for rid in PROMPTS} == expected
     assert all(e.finish_reason == "length" for e in run.finished.values())
-    # The poisoned request's NaN K/V stays in the blocks it freed; requests that get those blocks next are exact.
     assert poisoned.stats().num_free_blocks == poisoned.stats().num_total_blocks
-    assert _run(poisoned, {f"{rid}2": p for rid, p in PROMPTS.items()}, params) == {
-        f"{rid}2": ids for rid, ids in expected.items()}
+    again = _run(poisoned, {f"{rid}2": p for rid, p in PROMPTS.items()}, params)
+    if dtype == "bfloat16" and params is SAMPLED:
+        # bf16 matmuls are not batch-invariant on every CPU (AVX2 without AMX): with the poisoned request in the
+        # first step's batch, the others' probabilities differ in the last bits, so a sampled draw may too. The
+        # greedy case checks exactness (the rerun's prompts also hit cached prefix blocks, computed in another
+        # batch); here the others must still run to their full length.
+        assert all(len(run.token_ids[rid]) == len(again[f"{rid}2"]) == len(ids) for rid, ids in expected.items())
+        return
+    assert {rid: run.token_ids[rid] for rid in PROMPTS} == expected
+    # The poisoned request's NaN K/V stays in the blocks it freed; requests that get those blocks next are exact.
+    assert again == {f"{rid}2": ids for rid, ids in expected.items()}
 
 
 def test_a_group_choice_with_nan_logits_fails_its_siblings_too(poisoned: Engine) -> None:
