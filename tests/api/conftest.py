@@ -8,37 +8,15 @@ the official openai client need.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
 
-from api.app import create_app
-from api.http_limits import uvicorn_options
 from shared.config import Settings
-from shared.launcher.redis_server import free_port
+from tests.in_process_api import ApiServer, serve_api
 from tests.worker.scripted_engine import MODEL, InProcessWorker
-
-
-@dataclass
-class ApiServer:
-    settings: Settings
-    base_url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def client(self, api_key: str | None = None, **kwargs: Any) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        return httpx.Client(base_url=self.base_url, headers=headers, timeout=30, **kwargs)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 def test_settings(redis_url: str, **overrides: Any) -> Settings:
@@ -54,18 +32,7 @@ def start_api(redis_url: str) -> Iterator[Callable[..., ApiServer]]:
     servers: list[ApiServer] = []
 
     def start(**overrides: Any) -> ApiServer:
-        settings = test_settings(redis_url, **overrides)
-        port = free_port()
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=2, **uvicorn_options(settings))
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, name=f"api-{port}", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "API did not start"
-            time.sleep(0.01)
-        api = ApiServer(settings, f"http://127.0.0.1:{port}", server, thread)
+        api = serve_api(test_settings(redis_url, **overrides))
         servers.append(api)
         return api
 

@@ -5,19 +5,15 @@ client libraries (openai, LangChain, LiteLLM) can talk to them.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import uvicorn
 
-from api.app import create_app
-from api.http_limits import uvicorn_options
 from shared.config import Settings
-from shared.launcher.redis_server import RedisServer, free_port
+from shared.launcher.redis_server import RedisServer
+from tests.in_process_api import serve_api
 from tests.worker.scripted_engine import InProcessWorker
 from worker.engine import Engine
 from worker.main import engine_config
@@ -38,20 +34,11 @@ def _serve(redis_server: RedisServer, model: str, name: str) -> Iterator[Service
                         lease_ttl_s=30.0, heartbeat_interval_s=1.0)
     worker = InProcessWorker(redis_server.url, settings, worker_id=f"compat-{name}",
                              make_engine=lambda: Engine(engine_config(settings))).start()
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=free_port(), log_level="warning",
-                            lifespan="on", timeout_graceful_shutdown=2, **uvicorn_options(settings))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"compat-api-{name}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "API did not start"
-        time.sleep(0.02)
+    api = serve_api(settings, start_timeout_s=30)
     try:
-        yield Service(base_url=f"http://127.0.0.1:{config.port}/v1", model=name)
+        yield Service(base_url=f"{api.base_url}/v1", model=name)
     finally:
-        server.should_exit = True
-        thread.join(15)
+        api.stop()
         worker.stop()
 
 
