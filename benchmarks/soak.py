@@ -253,9 +253,12 @@ def worker_rss_mb(supervisor: Supervisor) -> list[float]:
 
 
 def check_redis(r: redis.Redis, baseline: set[bytes], job_ids: list[str], report: Report) -> None:
-    """Only baseline keys plus each job's record and log (with a TTL), and the model's FIFO counter."""
+    """Only baseline keys plus each job's record and log (with a TTL), and the bounded per-model and per-owner
+    state: the FIFO counter, the tenants' fair-share clock, the recent-jobs index (it expires) and the job-event
+    stream (capped)."""
     expected = {k.encode() for job_id in job_ids for k in (keys.job(job_id), keys.job_log(job_id))}
-    allowed = baseline | {keys.queue_seq(MODEL_NAME).encode(), keys.DEAD_LETTER.encode()}
+    allowed = baseline | {k.encode() for k in (keys.queue_seq(MODEL_NAME), keys.DEAD_LETTER, keys.queue_vtime(MODEL_NAME),
+                                                keys.owner_jobs(None), keys.JOB_EVENTS)}
     after = set(r.scan_iter(count=1000))
     report.redis_keys_baseline, report.redis_keys_after = len(baseline), len(after)
     report.redis_job_keys = len(after & expected)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+from redis.exceptions import OutOfMemoryError, ResponseError
+
 from shared.lifecycle_log import RECOVERIES, LifecycleEvent, text_fields
 from shared.schemas import TokenEvent
 from worker.context import WorkerContext
@@ -66,7 +68,16 @@ class JobWriter:
 
     async def _complete(self, job: ActiveJob) -> None:
         result = job.result()
-        if not await self._ctx.redis(self._ctx.queue.complete, job.job_id, job.claim.fence, result):
+        try:
+            ok = await self._ctx.redis(self._ctx.queue.complete, job.job_id, job.claim.fence, result)
+        except ResponseError as e:  # the script refused this job's record (written by hand?): fail it, keep serving
+            if isinstance(e, OutOfMemoryError):
+                raise
+            job.error = f"the queue refused the job's result: {e}"
+            log.error("job %s result refused by Redis: %s", job.job_id, e, extra=self._fields("failed", job))
+            await self._finish(job)
+            return
+        if not ok:
             log.warning("job %s result rejected: lease lost (stale fence)", job.job_id,
                         extra=self._fields("lease_lost", job))
             return

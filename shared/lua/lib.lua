@@ -69,6 +69,11 @@ local function unqueue(ctx, model, id)
   if redis.call('ZCARD', tq) == 0 then redis.call('ZREM', tenants_key(ctx, model), tenant) end
 end
 
+-- HINCRBYFLOAT by `delta`, skipped when it is not finite (Redis refuses inf and NaN, which would fail the script).
+local function add_float(key, field, delta)
+  if delta == delta and delta > -math.huge and delta < math.huge then redis.call('HINCRBYFLOAT', key, field, delta) end
+end
+
 -- A job's end settles what it was charged: its slot among the key's unfinished jobs, the tokens reserved
 -- against tokens-per-minute beyond the `used` ones, and its tenant's virtual time beyond the tokens used.
 -- `used` nil (a failed job) keeps the charges. Runs once: the fields that record the charges are removed.
@@ -78,11 +83,11 @@ local function settle(ctx, jk, used)
   if rkey then
     redis.call('HINCRBY', rkey, 'jobs', -1)
     if used and tonumber(tok_s or '0') > 0 then
-      redis.call('HINCRBYFLOAT', rkey, 'tat_t', -(tonumber(reserved) - used) * tonumber(tok_s))
+      add_float(rkey, 'tat_t', -((tonumber(reserved) or 0) - used) * tonumber(tok_s))
     end
   end
   if used and charged == '1' and tenant and model then
-    redis.call('HINCRBYFLOAT', vtime_key(ctx, model), tenant, (used - tonumber(cost)) / tonumber(weight))
+    add_float(vtime_key(ctx, model), tenant, (used - (tonumber(cost) or 0)) / (tonumber(weight) or 1))
   end
   redis.call('HDEL', jk, 'rkey', 'charged')
 end

@@ -99,7 +99,11 @@ local function estimate_cost()
   local params = type(sub.params) == 'table' and sub.params or {}
   local max_tokens = tonumber(params.max_tokens) or 16
   local n = tonumber(sub.n) or 1
-  return prompt + n * max_tokens
+  local cost = prompt + n * max_tokens
+  -- Bounded (10M tokens, beyond any context): a hostile max_tokens or n (1e308, -1, NaN) must not make the
+  -- tenant's charge at the claim infinite or NaN; HINCRBYFLOAT would refuse every later settlement.
+  if cost ~= cost then return 0 end
+  return math.min(math.max(cost, 0), 1e7)
 end
 local cost = estimate_cost()
 

@@ -3,6 +3,7 @@ Redis, claiming one job at a time as a worker with one free seat does."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 from queue_helpers import MODEL, make_job, queue_depth
@@ -154,3 +155,21 @@ async def test_cancel_takes_a_job_out_of_its_tenants_sub_queue(queue: JobQueue, 
     assert await redis.exists(keys.queue_tenant(MODEL, OWNER_B)) == 0
     assert await redis.zscore(keys.queue_tenants(MODEL), OWNER_B) is None
     assert await queue.claim(MODEL, "w1", 1) == []
+
+
+async def test_a_hostile_token_estimate_leaves_the_tenants_clock_finite(queue: JobQueue, redis: Redis) -> None:
+    """A raw job with n = 1e308 and max_tokens = inf is charged at its claim (then failed as malformed); that
+    charge once made the tenant's virtual time infinite, so the next job's settlement asked HINCRBYFLOAT for inf
+    and the worker died on the refused complete.lua. The estimate is bounded: the clock stays finite."""
+    hostile = job_of(None).model_dump(mode="json")
+    hostile.update(n=1e308, params={"max_tokens": 1e999})  # json.dumps writes 1e999 as Infinity, cjson reads it
+    await queue.publish_config()
+    await redis.eval(lua_source("submit"), 4, keys.job(hostile["id"]), keys.queue(MODEL), keys.queue_seq(MODEL),
+                     keys.CONFIG, json.dumps(hostile))
+    await queue.submit(job_of(None))
+
+    ran = [await run_one(queue) for _ in range(2)]  # the hostile job is failed at its claim, the valid one runs
+    assert [sub is not None for sub in ran] == [False, True]
+
+    assert (await redis.hget(keys.job(hostile["id"]), "status")) == "failed"
+    assert 0 < float(await redis.hget(keys.queue_vtime(MODEL), "-")) <= 1e7 + 100

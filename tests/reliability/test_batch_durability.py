@@ -26,7 +26,7 @@ from tests.worker.worker_process import WorkerProcess
 pytestmark = pytest.mark.slow
 
 MODEL = "smol-batch"  # its own queue
-NUM_LINES = 6
+NUM_LINES = 24  # enough that the kill after the first finished line lands mid-batch on a fast machine
 MAX_TOKENS = 64
 
 

@@ -18,7 +18,7 @@ import redis
 
 from shared import keys
 from tests.reliability.stack import TERMINAL, ApiProcess, poll, submit
-from tests.worker.worker_process import WorkerProcess
+from tests.worker.worker_process import WorkerProcess, wait_config
 
 pytestmark = pytest.mark.slow
 
@@ -107,11 +107,7 @@ def test_garbage_pushed_into_redis_fails_cleanly_and_the_worker_keeps_serving(
     rng = random.Random(20251129)
     created, refused = [], 0
     with redis.Redis.from_url(redis_url) as r:
-        # The test's Redis was just flushed: the worker stores ts:config again at its next heartbeat.
-        deadline = time.monotonic() + 30
-        while not r.exists(keys.CONFIG):
-            assert time.monotonic() < deadline, "the worker did not restore ts:config"
-            time.sleep(0.05)
+        wait_config(r)  # the test's Redis was just flushed
         for _ in range(NUM_FUZZED):
             job_id = secrets.token_urlsafe(12)
             job_keys = [keys.job(job_id), keys.queue("tiny-rel"), keys.queue_seq("tiny-rel"), keys.CONFIG]

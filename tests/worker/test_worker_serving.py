@@ -22,7 +22,7 @@ from shared.schemas import (
     JobStatus,
 )
 from tests.queue.queue_helpers import make_job, worker_test_queue
-from tests.worker.worker_process import WorkerProcess, client_text, read_all, wait_final, wait_tokens
+from tests.worker.worker_process import WorkerProcess, client_text, read_all, wait_config, wait_final, wait_tokens
 
 pytestmark = pytest.mark.slow
 LUA_SUBMIT = Path(__file__).resolve().parents[2] / "shared" / "lua" / "submit.lua"
@@ -51,6 +51,7 @@ async def test_job_submitted_with_raw_redis_commands_is_completed(tiny_worker: W
     body = json.dumps({"id": job_id, "model": "tiny", "prompt": "Once upon a time",
                        "params": {"max_tokens": 12, "temperature": 0}})
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        wait_config(r)  # the test's Redis was just flushed
         reply = r.eval(LUA_SUBMIT.read_text(), 4, f"ts:job:{{{job_id}}}", "ts:queue:{tiny}",
                        "ts:queue:{tiny}:seq", "ts:config", body)
         assert reply[0] == "created"
@@ -166,3 +167,21 @@ async def test_redis_restart_mid_run_loses_nothing(tiny_worker: WorkerProcess, q
     assert tiny_worker.proc is not None and tiny_worker.proc.poll() is None
 
 
+
+
+async def test_a_result_redis_refuses_fails_that_job_and_the_worker_keeps_serving(tiny_worker: WorkerProcess,
+                                                                                  queue: JobQueue) -> None:
+    """complete.lua raising a script error (here: the tenants' clock was made infinite by hand, so settling the
+    job's tokens is refused) fails that job with the reason; the worker lives on and serves the next job."""
+    params = GenerationParams(max_tokens=4, temperature=0)
+    await queue.redis.hset(keys.queue_vtime("tiny"), keys.tenant_of(None), "inf")
+    refused = make_job(model="tiny", params=params)
+    await queue.submit(refused)
+    record = await wait_final(queue, refused.id)
+    assert record.status is JobStatus.FAILED and "refused" in (record.error or ""), record.error
+
+    await queue.redis.delete(keys.queue_vtime("tiny"))
+    served = make_job(model="tiny", params=params)
+    await queue.submit(served)
+    assert (await wait_final(queue, served.id)).status is JobStatus.SUCCEEDED
+    assert tiny_worker.proc is not None and tiny_worker.proc.poll() is None

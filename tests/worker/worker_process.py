@@ -71,6 +71,15 @@ class WorkerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def wait_config(r: redis.Redis, timeout_s: float = 30.0) -> None:
+    """Wait until ``ts:config`` is stored: tests flush Redis, and a worker stores it again at its next heartbeat
+    (as every backend submitting with raw commands needs it, docs/protocol.md)."""
+    deadline = time.monotonic() + timeout_s
+    while not r.exists(keys.CONFIG):
+        assert time.monotonic() < deadline, "no worker stored ts:config again"
+        time.sleep(0.05)
+
+
 async def wait_final(queue: JobQueue, job_id: str, timeout_s: float = 60.0) -> JobRecord:
     """Poll until the job ends, riding out a Redis restart as a real client does (retrying the read)."""
     deadline = time.monotonic() + timeout_s
