@@ -257,8 +257,9 @@ def check_redis(r: redis.Redis, baseline: set[bytes], job_ids: list[str], report
     state: the FIFO counter, the tenants' fair-share clock, the recent-jobs index (it expires) and the job-event
     stream (capped)."""
     expected = {k.encode() for job_id in job_ids for k in (keys.job(job_id), keys.job_log(job_id))}
-    allowed = baseline | {k.encode() for k in (keys.queue_seq(MODEL_NAME), keys.DEAD_LETTER, keys.queue_vtime(MODEL_NAME),
-                                                keys.owner_jobs(None), keys.JOB_EVENTS)}
+    bounded = (keys.queue_seq(MODEL_NAME), keys.DEAD_LETTER, keys.queue_vtime(MODEL_NAME), keys.owner_jobs(None),
+               keys.JOB_EVENTS)
+    allowed = baseline | {k.encode() for k in bounded}
     after = set(r.scan_iter(count=1000))
     report.redis_keys_baseline, report.redis_keys_after = len(baseline), len(after)
     report.redis_job_keys = len(after & expected)

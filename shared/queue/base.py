@@ -186,7 +186,7 @@ class QueueBase:
         if differ:
             log.warning("settings differ from those another process stored in %s: %s; using this process's",
                         keys.CONFIG, ", ".join(f"{n}={stored[n]!r}->{mine[n]!r}" for n in differ))
-        await self._redis.hset(keys.CONFIG, mapping=mine)
+        await self._redis.hset(keys.CONFIG, items=[x for pair in mine.items() for x in pair])
 
     @property
     def redis(self) -> Redis:
