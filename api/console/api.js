@@ -42,6 +42,13 @@ export async function api(path, { method = "GET", body, signal } = {}) {
   return response.json();
 }
 
+// The raw body of a GET (a file's content) as a Blob; throws ApiError like api().
+export async function apiBlob(path, { signal } = {}) {
+  const response = await fetch(path, { headers: headers(), signal });
+  if (!response.ok) throw await errorOf(response);
+  return response.blob();
+}
+
 // The events of one SSE response: {id, event, data} with data parsed as JSON; comments (pings) skipped.
 async function* readEvents(response) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();

@@ -1,7 +1,8 @@
 // The console's shell: the API key form and the tabs. Each page is a module exporting
-// mount(container, args) -> unmount function; adding a page (e.g. batches) is one module and one PAGES entry.
+// mount(container, args) -> unmount function; adding a page is one module and one PAGES entry.
 
 import { apiKey, setApiKey } from "./api.js";
+import * as batches from "./batches.js";
 import * as fleet from "./fleet.js";
 import * as jobs from "./jobs.js";
 import * as playground from "./playground.js";
@@ -9,6 +10,7 @@ import * as playground from "./playground.js";
 const PAGES = [
   { id: "playground", title: "Playground", page: playground },
   { id: "jobs", title: "Jobs", page: jobs },
+  { id: "batches", title: "Batches", page: batches },
   { id: "fleet", title: "Fleet", page: fleet },
 ];
 

@@ -127,7 +127,7 @@ def test_console_is_served_with_its_files_and_a_strict_csp(api: ApiServer) -> No
             assert r.status_code == 200 and "javascript" in r.headers["content-type"], name
             assert "http://" not in r.text and "https://" not in r.text, f"{name} reaches outside the server"
             scripts += [m for m in re.findall(r'from "\./([\w-]+\.js)"', r.text) if m not in seen]
-        assert {"api.js", "playground.js", "jobs.js", "fleet.js", "chart.js", "dom.js"} <= seen
+        assert {"api.js", "playground.js", "jobs.js", "batches.js", "fleet.js", "chart.js", "dom.js"} <= seen
         for asset in assets:
             assert client.get(f"/ui/{asset}").status_code == 200, asset
         assert client.get("/ui/nope.js").status_code == 404

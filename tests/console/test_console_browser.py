@@ -3,12 +3,14 @@ selenium) against a real stack: ``tokenspool api`` (with an API key) and a worke
 
 Submit in the playground and watch tokens arrive, cancel, find both jobs in the list, follow a running job on its
 page across an API restart (the page resumes with Last-Event-ID: no token lost or doubled), and see the worker on
-the fleet page. With ``TOKENSPOOL_SCREENSHOTS=<dir>`` each page is saved there as PNG (docs/screenshots/ in the
-README is made so: ``TOKENSPOOL_SCREENSHOTS=docs/screenshots make test PYTEST_ARGS=tests/console``).
+the fleet page; on the batches page, watch a batch complete, cancel a running one from its row and download their
+output and error files. With ``TOKENSPOOL_SCREENSHOTS=<dir>`` each page is saved there as PNG (docs/screenshots/ in
+the README is made so: ``TOKENSPOOL_SCREENSHOTS=docs/screenshots make test PYTEST_ARGS=tests/console``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -53,7 +55,8 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     # Leases long enough that a worker starved of CPU on a busy machine still counts as live (the test helpers'
     # 2 s lease is for fault tests); heartbeats often enough that the charts move within the test.
     leases = {"lease_ttl_s": 15, "heartbeat_interval_s": 0.5}
-    api = ApiProcess(redis_server.url, logs, model=MODEL, api_keys=API_KEY, **leases)
+    # Batches advance every 0.2 s (1 s by default), so the batches page's progress moves within the test.
+    api = ApiProcess(redis_server.url, logs, model=MODEL, api_keys=API_KEY, batch_poll_s=0.2, **leases)
     worker = WorkerProcess(redis_server.url, smollm2_folder(), logs, WORKER_ID, name=MODEL, max_num_seqs=4,
                            **leases)
     try:
@@ -238,3 +241,101 @@ def test_fleet_page_shows_the_worker_its_jobs_and_charts(browser: Any, stack: Ap
         time.sleep(2.5)  # one more refresh, so the charts have drawn the throughput
         screenshot(browser, "fleet")
         client.delete(f"/v1/jobs/{job_id}")
+
+
+# --- batches ---------------------------------------------------------------------------------------------------
+
+
+def create_batch(stack: ApiProcess, max_tokens: list[int]) -> str:
+    """A ``/v1/completions`` batch of one line per ``max_tokens``, uploaded and started through the real API."""
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": f"Fact number {i} about lighthouses:", "max_tokens": n,
+                       "temperature": 0, "ignore_eos": True}}
+             for i, n in enumerate(max_tokens)]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    with api_client(stack) as client:
+        upload = client.post("/v1/files", files={"file": ("lines.jsonl", content)}, data={"purpose": "batch"})
+        upload.raise_for_status()
+        batch = client.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"})
+        batch.raise_for_status()
+    assert batch.json()["status"] == "in_progress", batch.json()
+    return str(batch.json()["id"])
+
+
+def batch_row(browser: Any, batch_id: str) -> dict[str, Any] | None:
+    """The batch's row as shown: status, progress (done / max), counts and the buttons it offers."""
+    row: dict[str, Any] | None = browser.execute_script("""
+        const tr = document.querySelector(`#batches-body tr[data-batch-id='${arguments[0]}']`);
+        if (!tr) return null;
+        const bar = tr.querySelector('progress');
+        const count = (name) => tr.querySelector(`[data-count='${name}']`).textContent;
+        return {status: tr.querySelector('.badge').dataset.status, done: bar.value, max: bar.max,
+                counts: [count('completed'), count('failed'), count('total')],
+                files: [...tr.querySelectorAll('button[data-file]')].map((b) => b.dataset.file),
+                can_cancel: !!tr.querySelector('button.batch-cancel')};
+        """, batch_id)
+    return row
+
+
+def click(browser: Any, selector: str) -> None:
+    """Click the element, finding it again when a refresh replaced it between the find and the click."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    def try_click() -> bool:
+        try:
+            browser.find_element("css selector", selector).click()
+            return True
+        except StaleElementReferenceException:
+            return False
+
+    wait_for(browser, try_click, f"a click on {selector}", timeout_s=5)
+
+
+def download(browser: Any, folder: Path, batch_id: str, kind: str) -> bytes:
+    """Click the row's file button and return the file the browser saved."""
+    click(browser, f"#batches-body tr[data-batch-id='{batch_id}'] button[data-file='{kind}']")
+    saved = folder / f"{batch_id}_{kind}.jsonl"
+    wait_for(browser, saved.exists, f"the {kind} file of {batch_id} to be saved")
+    return saved.read_bytes()
+
+
+def file_content(stack: ApiProcess, file_id: str) -> bytes:
+    with api_client(stack) as client:
+        response = client.get(f"/v1/files/{file_id}/content")
+        response.raise_for_status()
+        return response.content
+
+
+def test_batches_page_shows_progress_cancels_and_downloads(browser: Any, stack: ApiProcess, tmp_path: Path) -> None:
+    # The downloads land in tmp_path: a blob saved by <a download>, as a user's browser saves it.
+    browser.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(tmp_path)})
+    done_id = create_batch(stack, [4, 4, 4])
+    browser.get(f"{stack.base_url}/ui/#/batches")
+    wait_for(browser, lambda: batch_row(browser, done_id), "the batch's row")
+    wait_for(browser, lambda: (batch_row(browser, done_id) or {}).get("status") == "completed", "the batch to complete")
+    row = batch_row(browser, done_id)
+    assert row == {"status": "completed", "done": 3, "max": 3, "counts": ["3", "0", "3"], "files": ["output"],
+                   "can_cancel": False}
+    with api_client(stack) as client:
+        batch = client.get(f"/v1/batches/{done_id}").json()
+    assert download(browser, tmp_path, done_id, "output") == file_content(stack, batch["output_file_id"])
+
+    # A batch whose first line is short and the others long: cancelled from its row while they run.
+    cancel_id = create_batch(stack, [2, 300, 300])
+    wait_for(browser, lambda: (batch_row(browser, cancel_id) or {}).get("done") == 1, "the short line to finish")
+    row = batch_row(browser, cancel_id)
+    assert row is not None and row["status"] == "in_progress" and row["can_cancel"] and row["max"] == 3
+    screenshot(browser, "batches")
+    click(browser, f"#batches-body tr[data-batch-id='{cancel_id}'] button.batch-cancel")
+    wait_for(browser, lambda: (batch_row(browser, cancel_id) or {}).get("status") == "cancelled",
+             "the batch to be cancelled")
+    row = batch_row(browser, cancel_id)
+    assert row == {"status": "cancelled", "done": 3, "max": 3, "counts": ["1", "2", "3"],
+                   "files": ["output", "errors"], "can_cancel": False}
+    with api_client(stack) as client:
+        batch = client.get(f"/v1/batches/{cancel_id}").json()
+    assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    errors = download(browser, tmp_path, cancel_id, "errors")
+    assert errors == file_content(stack, batch["error_file_id"])
+    assert [json.loads(line)["custom_id"] for line in errors.splitlines()] == ["line-1", "line-2"]
