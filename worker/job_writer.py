@@ -74,8 +74,7 @@ class JobWriter:
             if isinstance(e, OutOfMemoryError):
                 raise
             job.error = f"the queue refused the job's result: {e}"
-            log.error("job %s result refused by Redis: %s", job.job_id, e, extra=self._fields("failed", job))
-            await self._finish(job)
+            await self._finish(job)  # the fail path, which logs it
             return
         if not ok:
             log.warning("job %s result rejected: lease lost (stale fence)", job.job_id,

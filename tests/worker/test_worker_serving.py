@@ -167,8 +167,6 @@ async def test_redis_restart_mid_run_loses_nothing(tiny_worker: WorkerProcess, q
     assert tiny_worker.proc is not None and tiny_worker.proc.poll() is None
 
 
-
-
 async def test_a_result_redis_refuses_fails_that_job_and_the_worker_keeps_serving(tiny_worker: WorkerProcess,
                                                                                   queue: JobQueue) -> None:
     """complete.lua raising a script error (here: the tenants' clock was made infinite by hand, so settling the
