@@ -44,7 +44,9 @@ def _start_guidellm(service: Service, tokenizer: Path, endpoint: str, workdir: P
         "outputs": [{"kind": "json", "path": str(report)}],
     }}
     (workdir / "scenario.json").write_text(json.dumps(scenario))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(workdir / "hf")}
+    # One worker process (guidellm's default is one per stream): each process imports torch and transformers.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(workdir / "hf"),
+           "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
     process = subprocess.Popen([sys.executable, "-m", "guidellm", "run", "--scenario", str(workdir / "scenario.json"),
                                 "--disable-console-interactive"], cwd=workdir, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -76,18 +78,22 @@ def reports(tiny_service: Service, tiny_llama: Path, tmp_path_factory: pytest.Te
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 def test_guidellm_benchmark_completes_every_request(reports: dict[str, dict[str, Any]], endpoint: str) -> None:
     [benchmark] = reports[endpoint]["benchmarks"]
-    totals = benchmark["metrics"]["request_totals"]
-    assert (totals["successful"], totals["errored"], totals["incomplete"]) == (NUM_REQUESTS, 0, 0)
+    assert benchmark["config"]["strategy"]["streams"] == 2
+    requests = benchmark["requests"]
+    unfinished = [(r["info"]["status"], r["info"]["error"]) for r in requests["errored"] + requests["incomplete"]]
+    assert benchmark["metrics"]["request_totals"] == {"successful": NUM_REQUESTS, "errored": 0, "incomplete": 0,
+                                                      "total": NUM_REQUESTS}, unfinished
     assert benchmark["scheduler_state"]["successful_requests"] == NUM_REQUESTS
-    requests = benchmark["requests"]["successful"]
-    assert len(requests) == NUM_REQUESTS
-    for request in requests:
-        assert request["info"]["status"] == "completed" and request["info"]["error"] is None
-        assert request["response_id"].startswith(ENDPOINTS[endpoint])  # the service's own ids: it answered
-        body = json.loads(request["request_args"])["body"]
-        assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
-        assert request["prompt_tokens"] > 0
-        assert request["output_tokens"] == OUTPUT_TOKENS  # ignore_eos: exactly as many as asked for
-        assert request["output"]
-        assert request["time_to_first_token_ms"] > 0
+    # What guidellm saw of each request, in one comparison so that a failure shows all of it.
+    seen = [{"status": r["info"]["status"], "error": r["info"]["error"],
+             "answered_by_the_service": r["response_id"].startswith(ENDPOINTS[endpoint]),
+             "stream_options": json.loads(r["request_args"])["body"]["stream_options"],
+             "has_prompt_tokens": r["prompt_tokens"] > 0, "output_tokens": r["output_tokens"],
+             "has_output": bool(r["output"]), "has_ttft": (r["time_to_first_token_ms"] or 0) > 0}
+            for r in requests["successful"]]
+    expected = {"status": "completed", "error": None, "answered_by_the_service": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                "has_prompt_tokens": True, "output_tokens": OUTPUT_TOKENS,  # ignore_eos: exactly as asked for
+                "has_output": True, "has_ttft": True}
+    assert seen == [expected] * NUM_REQUESTS
     assert benchmark["metrics"]["output_token_count"]["successful"]["total_sum"] == NUM_REQUESTS * OUTPUT_TOKENS
