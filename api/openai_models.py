@@ -25,7 +25,9 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="a last chunk with the usage, and no choices")
+    continuous_usage_stats: bool = Field(False, description="vLLM's extension (needs include_usage): every chunk "
+                                         "carries the usage so far")
 
 
 class SamplingRequest(_Request):

@@ -300,6 +300,10 @@ class TokenEvent(_Wire):
     text: str
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # Set on the first event of each attempt only (absent from the JSON otherwise): the prompt's length in tokens
+    # as the worker encoded it, the same count as the result's usage.prompt_tokens. Streams that report usage as
+    # they go (OpenAI's stream_options.continuous_usage_stats) read it from here.
+    num_prompt_tokens: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
 
 
 class RestartEvent(_Wire):

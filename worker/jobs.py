@@ -142,7 +142,8 @@ class ActiveJob:
         if not out.text_delta and not out.new_token_ids:
             return None
         event = TokenEvent(seq=self.next_seq, index=index, text=out.text_delta, token_ids=list(out.new_token_ids),
-                           logprobs=logprobs if choice.logprobs is not None else None)
+                           logprobs=logprobs if choice.logprobs is not None else None,
+                           num_prompt_tokens=choice.num_prompt_tokens if self.next_seq == 1 else None)
         self.next_seq += 1
         return event
 

@@ -192,8 +192,10 @@ async def _run_job(request: Request, queue: JobQueue, metrics: MetricsDep, submi
 
     headers = rate_headers(relay.rate)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        stream = openai_stream(relay, fmt, n=submission.n, include_usage=include_usage, metrics=metrics)
+        options = body.stream_options
+        stream = openai_stream(relay, fmt, n=submission.n, include_usage=options is not None and options.include_usage,
+                               continuous_usage=options is not None and options.continuous_usage_stats,
+                               metrics=metrics)
         response = EventStreamResponse(stream, on_disconnect=cancel_if_abandoned)
         response.headers.update(headers)
         return response
@@ -284,8 +286,13 @@ _UNHONOURED_CHAT_FIELDS = ("functions", "function_call", "audio", "reasoning_eff
 
 
 def _reject_unsupported_stream_options(body: SamplingRequest) -> None:
-    if body.stream_options is not None and not body.stream:
+    options = body.stream_options
+    if options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed with stream: true", param="stream_options")
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        # vLLM ignores it without include_usage; here a field accepted is a field honoured
+        raise invalid_request("continuous_usage_stats needs include_usage: true",
+                              param="stream_options.continuous_usage_stats")
 
 
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:

@@ -97,3 +97,17 @@ def test_tool_history_round_trip(tiny_client: openai.OpenAI, tiny_service: Servi
                                                    messages=messages, tools=[WEATHER_TOOL], tool_choice="none")
     assert response.choices[0].finish_reason in ("stop", "length")
     assert response.choices[0].message.content
+
+
+def test_continuous_usage_stats_on_a_real_engine(tiny_client: openai.OpenAI, tiny_service: Service) -> None:
+    """vLLM's ``continuous_usage_stats`` (guidellm sends it): every chunk has the usage so far; the prompt count
+    is the worker's (the same in every chunk and in the usage chunk), completion tokens only grow."""
+    stream = tiny_client.chat.completions.create(
+        model=tiny_service.model, max_tokens=6, n=2, messages=ASK, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    *chunks, final = list(stream)
+    assert final.choices == [] and final.usage is not None and final.usage.completion_tokens == 12
+    assert all(c.usage is not None and c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12
+    assert chunks[-1].usage == final.usage

@@ -62,6 +62,18 @@ def test_step_outputs_become_numbered_events_and_one_result() -> None:
     assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.cached_tokens) == (7, 5, 3)
 
 
+def test_the_first_event_of_an_attempt_carries_the_prompt_length() -> None:
+    """Streams that report usage as they go read the prompt's token count from it; later events leave it out."""
+    job = make_job(n=2, params=GenerationParams(max_tokens=3))
+    for attempt in (1, 2):  # a restarted job is a new ActiveJob: its first event carries the count again
+        active = ActiveJob.start(ClaimedJob(job, fence=attempt, attempt=attempt))
+        first = active.apply(_out(request_id(job.id, 1), "a", (10,)), 1, None)
+        second = active.apply(_out(request_id(job.id, 0), "b", (11,)), 0, None)
+        assert first is not None and second is not None
+        assert (first.num_prompt_tokens, second.num_prompt_tokens) == (7, None)
+        assert "num_prompt_tokens" in first.model_dump_json() and "num_prompt_tokens" not in second.model_dump_json()
+
+
 def test_abort_ends_only_unfinished_choices() -> None:
     job = make_job(n=2)
     active = ActiveJob.start(ClaimedJob(job, fence=1, attempt=1))
