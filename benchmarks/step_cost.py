@@ -32,6 +32,8 @@ SYSTEMS = {
     "bf16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    "bf16_int4": {"dtype": "bfloat16", "quantization": "int4"},  # the two activation dtypes, whatever the CPU
+    "fp32_int4": {"dtype": "float32", "quantization": "int4"},
 }
 
 
