@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 QUANTIZATIONS = (None, "none", "auto", "int8", "int4")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
-# tiles. AVX512-BF16 alone does not (Xeon model 207 without AMX, SmolLM2 decode at 32 rows: bf16 steps 7-12%
+# tiles. AVX512-BF16 alone does not (Xeon model 207 without AMX, SmolLM2 decode at 32 rows: bf16 steps 7-13%
 # slower than float32, none faster at 1 row; docs/performance.md).
 FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16"})
 
