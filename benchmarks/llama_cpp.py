@@ -167,7 +167,7 @@ def make_runners(args: argparse.Namespace, url: str | None
     dtypes: dict[str, str] = {}
     hf = AutoModelForCausalLM.from_pretrained(args.model_folder, dtype=torch.float32).eval()
     # "engine" is what a worker serves unconfigured: dtype by the CPU, and quantization "auto" (the worker's default:
-    # int4 on the shipped Q4_1 SmolLM2 when running bf16 on CPU); the others pin one setting each.
+    # int4 on the shipped Q4_1 SmolLM2 on CPU, float32 or bf16 activations); the others pin one setting each.
     configs = {"engine": {"quantization": "auto"}, "engine_fp32": {"dtype": "float32"},
                "engine_bf16": {"dtype": "bfloat16"}}
     for system in args.systems:

@@ -10,8 +10,10 @@ Systems run interleaved, round after round, so that load from other jobs on a sh
 ``--steps N`` measures instead the steady decode step itself, at batch 1 and at batch 32 (64-token prompts),
 alternating single steps between the systems N times: the median ms/step of each is immune to load drifting
 between whole runs (on a shared machine whole runs of the same system differed by 2-3x).
-``--checkout`` imports the engine from another checkout (e.g. the main branch) to measure "before" in a second
-process alternating with this one; ``int8`` there is the old dynamic-activation option.
+Each line names the compute plan the system got (dtype, quantisation, which forward) and the process CPU time
+per step beside the wall time. ``--checkout`` imports the engine from another checkout (e.g. the main branch)
+to measure "before" in a second process alternating with this one; ``int8`` there is the old dynamic-activation
+option.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ SYSTEMS = {
     "bf16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    "bf16_int4": {"dtype": "bfloat16", "quantization": "int4"},  # the two activation dtypes, whatever the CPU
+    "fp32_int4": {"dtype": "float32", "quantization": "int4"},
 }
 
 
@@ -62,8 +66,10 @@ def many_streams(engine, sampling_params, reqs) -> float:
     return sum(r.max_tokens for r in reqs) / (time.perf_counter() - start)
 
 
-def interleaved_steps(engines: dict, sampling_params, batch: int, steps: int) -> dict[str, float]:
-    """Median seconds per decode step of each engine at ``batch`` running requests, steps alternating."""
+def interleaved_steps(engines: dict, sampling_params, batch: int, steps: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, process CPU) seconds per decode step of each engine at ``batch`` running requests, steps
+    alternating. With one thread the CPU time is the step's own work, without the waits for a core that a
+    shared machine adds to the wall time."""
     params = sampling_params(max_tokens=2_000, temperature=0.0, ignore_eos=True)
     for name, engine in engines.items():
         for i in range(batch):
@@ -71,15 +77,17 @@ def interleaved_steps(engines: dict, sampling_params, batch: int, steps: int) ->
         for _ in range(3):  # the prefills, and one decode step to settle
             engine.step()
     times: dict[str, list[float]] = {name: [] for name in engines}
+    cpu_times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
         for name, engine in engines.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             engine.step()
             times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
     for name, engine in engines.items():
         for i in range(batch):
             engine.abort(f"{name}-{batch}-{i}")
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (statistics.median(times[name]), statistics.median(cpu_times[name])) for name in engines}
 
 
 def main() -> int:
@@ -108,10 +116,15 @@ def main() -> int:
     if args.steps:
         for batch in (1, 32):
             medians = interleaved_steps(engines, SamplingParams, batch, args.steps)
-            for name, seconds in medians.items():
+            for name, (seconds, cpu_seconds) in medians.items():
+                compute = getattr(engines[name].runner, "compute", None)  # absent in checkouts before issue 15
                 print(json.dumps({"system": args.label + name, "batch": batch, "ms_per_step": round(seconds * 1e3, 1),
-                                  "tok_s": round(batch / seconds, 1), "load": round(os.getloadavg()[0], 1),
-                                  "threads": args.threads, "cpu": cpu_name()}), flush=True)
+                                  "cpu_ms_per_step": round(cpu_seconds * 1e3, 1), "tok_s": round(batch / seconds, 1),
+                                  "dtype": str(engines[name].runner.plan.dtype).removeprefix("torch."),
+                                  "quantization": compute and compute.quantization,
+                                  "forward": compute and ("decoder" if compute.own_decoder else "transformers"),
+                                  "load": round(os.getloadavg()[0], 1), "threads": args.threads,
+                                  "cpu": cpu_name()}), flush=True)
         return 0
     results: dict[str, dict[str, list[float]]] = {n: {"one": [], "many": []} for n in engines}
     for round_index in range(args.rounds):

@@ -96,8 +96,8 @@ class Settings(BaseSettings):
     model_name: str | None = Field(None, description="name served to clients; default: the --model value")
     model_cache_dir: Path | None = Field(None, description="converted-model cache; default ~/.cache/tokenspool")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    dtype: str = Field("auto", description="auto (bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else "
-                       "fp32) | float32 (transformers' exact forward) | bfloat16 | float16")
+    dtype: str = Field("auto", description="auto (bf16 on CUDA and on CPUs with AMX, else fp32) | float32 "
+                       "(transformers' exact forward) | bfloat16 | float16")
     max_num_seqs: int = Field(64, ge=1, description="requests decoded together")
     max_num_batched_tokens: int = Field(2048, ge=16, description="tokens computed in one engine step")
     block_size: int = Field(16, ge=1, description="tokens per KV cache block")
@@ -108,8 +108,9 @@ class Settings(BaseSettings):
     draft_model: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     speculative_max_batch: int = Field(8, ge=1, description="speculate only while at most this many requests run")
-    quantization: str | None = Field("auto", description="auto (int4 where the weights came from 4-bit GGUF blocks "
-                                     "and the CPU runs bf16) | none | int8 | int4 (weight-only, bf16 activations)")
+    quantization: str | None = Field("auto", description="auto (int4 on CPU where the weights came from 4-bit GGUF "
+                                     "blocks, unless --dtype float32) | none | int8 | int4 (weight-only kernels for "
+                                     "small batches)")
     num_threads: int | None = Field(None, ge=1, description="torch threads; unset = the cores this process may use")
     worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
     drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")

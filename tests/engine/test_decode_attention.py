@@ -123,3 +123,23 @@ def test_engine_with_a_shared_system_prompt_matches_generate(tiny_model: Path) -
         drain(engine, run)
         assert engine.stats().prefix_cache_hits >= 5 * (len(system) // 8)
         assert [run.token_ids[f"r{i}"] for i in range(len(prompts))] == expected, f"cascade={cascade}"
+
+
+@pytest.mark.parametrize("table", [[2, 3], [5, 3]])
+def test_one_sequence_reads_exactly_its_keys(table: list[int]) -> None:
+    """One stream: no mask, its keys sliced to its length, and read as a view when its blocks are consecutive.
+    The slot after its last key holds junk, which a wrong slice would attend to."""
+    torch.manual_seed(0)
+    shape = ModelShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, vocab_size=10, max_position_embeddings=64)
+    cache = KVCache(shape, EnginePlan(device=CPU, dtype=torch.float32, block_size=BLOCK, num_kv_blocks=8,
+                                      max_model_len=32))
+    k, v = torch.randn(7, KV_HEADS, DIM), torch.randn(7, KV_HEADS, DIM)  # 6 keys, then junk in slot 7
+    cache.write(0, torch.tensor(prepare_slot_mapping(table, 0, 7, BLOCK)), k, v)
+    batch = prepare_decode_batch([0], [table], [6], BLOCK, CPU, share_prefix=True)
+    (group,) = batch.groups
+    assert group.num_keys == 6
+    assert group.block_range == ((2, 4) if table == [2, 3] else None)
+    query = torch.randn(1, HEADS, DIM)
+    out = torch.zeros_like(query)
+    attend_decode(0, query, batch, cache, DIM ** -0.5, out)
+    torch.testing.assert_close(out[0], reference_decode(query[0], k[:6], v[:6]), rtol=1e-5, atol=1e-5)

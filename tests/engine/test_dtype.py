@@ -9,27 +9,76 @@ import torch
 
 from tests.conftest import _save_tiny
 from worker.engine import Engine, EngineConfig, SamplingParams
-from worker.engine.config import cpu_flags, pick_dtype
+from worker.engine.config import ComputePlan, cpu_flags, pick_dtype, plan_compute
 from worker.engine.decoder import Decoder
+from worker.engine.model_runner import load_model
 
 CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
     ({"avx2", "fma"}, torch.float32),
-    ({"avx512f", "avx512_bf16"}, torch.bfloat16),
-    ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
+    ({"avx512f", "avx512_bf16"}, torch.float32),  # bf16 instructions without AMX: dense bf16 slower than float32
+    ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),
 ])
-def test_cpu_dtype_follows_bf16_units(flags: set[str], expected: torch.dtype) -> None:
+def test_cpu_dtype_follows_amx(flags: set[str], expected: torch.dtype) -> None:
     assert pick_dtype(EngineConfig(), CPU, frozenset(flags)) == expected
 
 
-def test_configured_dtype_and_quantization_override_the_hardware() -> None:
+def test_configured_dtype_overrides_the_hardware_and_quantization_does_not() -> None:
+    """Quantised layers feed their kernels bf16 whatever the compute dtype, so int4 keeps the CPU's float32."""
     amx = frozenset({"amx_bf16"})
     assert pick_dtype(EngineConfig(dtype="float32"), CPU, amx) == torch.float32
     assert pick_dtype(EngineConfig(dtype="float16"), CPU, frozenset()) == torch.float16
-    assert pick_dtype(EngineConfig(quantization="int4"), CPU, frozenset({"avx2"})) == torch.bfloat16
+    assert pick_dtype(EngineConfig(quantization="int4"), CPU, frozenset({"avx2"})) == torch.float32
+    assert pick_dtype(EngineConfig(quantization="int4"), CPU, amx) == torch.bfloat16
     assert pick_dtype(EngineConfig(), torch.device("cuda"), frozenset()) == torch.bfloat16
+
+
+F32, BF16, CUDA = torch.float32, torch.bfloat16, torch.device("cuda")
+
+
+@pytest.mark.parametrize(("config", "device", "dtype", "unsupported", "on_grid", "expected"), [
+    # the default on a CPU without fast bf16: float32 activations, the GGUF's own int4 blocks, the own decoder
+    (EngineConfig(quantization="auto"), CPU, F32, None, True, ComputePlan(F32, "int4", True)),
+    (EngineConfig(quantization="auto"), CPU, BF16, None, True, ComputePlan(BF16, "int4", True)),
+    (EngineConfig(quantization="auto"), CPU, F32, None, False, ComputePlan(F32, None, True)),
+    (EngineConfig(), CPU, F32, None, True, ComputePlan(F32, None, True)),
+    # float32 asked for: transformers' exact forward, "auto" included; explicit int4 still quantises
+    (EngineConfig(dtype="float32"), CPU, F32, None, True, ComputePlan(F32, None, False)),
+    (EngineConfig(dtype="float32", quantization="auto"), CPU, F32, None, True, ComputePlan(F32, None, False)),
+    (EngineConfig(dtype="float32", quantization="int4"), CPU, F32, None, False, ComputePlan(F32, "int4", True)),
+    (EngineConfig(dtype="bfloat16", quantization="none"), CPU, BF16, None, True, ComputePlan(BF16, None, True)),
+    (EngineConfig(quantization="auto"), CUDA, BF16, None, True, ComputePlan(BF16, None, True)),
+    (EngineConfig(quantization="auto"), CPU, F32, "model type 'gpt2'", False, ComputePlan(F32, None, False)),
+])
+def test_plan_compute_picks_the_forward_and_the_weights(config: EngineConfig, device: torch.device,
+                                                        dtype: torch.dtype, unsupported: str | None, on_grid: bool,
+                                                        expected: ComputePlan) -> None:
+    assert plan_compute(config, device, dtype, unsupported, on_grid) == expected
+
+
+@pytest.mark.parametrize(("config", "device", "dtype", "unsupported"), [
+    (EngineConfig(dtype="float16", quantization="int8"), CPU, torch.float16, None),
+    (EngineConfig(quantization="int4"), CUDA, BF16, None),
+    (EngineConfig(quantization="int8"), CPU, F32, "model type 'gpt2'"),
+])
+def test_plan_compute_refuses_quantization_it_cannot_run(config: EngineConfig, device: torch.device,
+                                                         dtype: torch.dtype, unsupported: str | None) -> None:
+    with pytest.raises(ValueError, match="EngineConfig.quantization .* needs device cpu, dtype float32 or bfloat16"):
+        plan_compute(config, device, dtype, unsupported, True)
+
+
+def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int4(snapped_llama: Path) -> None:
+    """What a worker builds unconfigured (``quantization="auto"``, no dtype) where the CPU flags give float32:
+    the own decoder with float32 activations and the int4 kernels, a dense float32 copy for many rows."""
+    config = EngineConfig(model=str(snapped_llama), quantization="auto")
+    dtype = pick_dtype(config, CPU, frozenset({"avx2", "fma"}))
+    model, decoder, compute = load_model(config, snapped_llama, CPU, dtype)
+    assert compute == ComputePlan(torch.float32, "int4", True) and decoder is model
+    assert isinstance(decoder, Decoder) and decoder.embed.dtype == torch.float32
+    qkv = decoder.layers[0].qkv
+    assert qkv.quantization == "int4" and qkv.weight.dtype == torch.float32 and qkv.scales.dtype == torch.bfloat16
 
 
 def test_this_machine_reports_its_flags() -> None:

@@ -29,8 +29,8 @@ class WorkerProcess:
         self.log_path = log_dir / f"{worker_id}.log"
         env = {"TOKENSPOOL_REDIS_URL": redis_url, "TOKENSPOOL_MODEL": str(model), "TOKENSPOOL_MODEL_NAME": name,
                "TOKENSPOOL_WORKER_ID": worker_id, "TOKENSPOOL_LEASE_TTL_S": "2", "TOKENSPOOL_DEVICE": "cpu",
-               # float32: tests compare worker output with transformers' float32 greedy tokens, and the default
-               # dtype is bf16 on CPUs with AMX / AVX512-BF16.
+               # float32: tests compare worker output with transformers' float32 greedy tokens; the default is
+               # bf16 on CPUs with AMX and the own decoder (int4 on GGUF weights) on the others.
                "TOKENSPOOL_DTYPE": "float32", "TOKENSPOOL_HEARTBEAT_INTERVAL_S": "0.3", "TOKENSPOOL_MAX_NUM_SEQS": "8",
                "TOKENSPOOL_NUM_KV_BLOCKS": "512", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         env.update({f"TOKENSPOOL_{k.upper()}": str(v) for k, v in settings.items()})

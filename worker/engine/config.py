@@ -12,14 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES
+
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a modest fixed budget
 CUDA_FREE_FRACTION = 0.9  # of the memory still free after the weights are loaded
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 QUANTIZATIONS = (None, "none", "auto", "int8", "int4")
-# CPU flags (Linux /proc/cpuinfo names) of the units that make bf16 matmuls fast: AMX tiles, AVX-512 BF16.
-FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+# CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
+# tiles. AVX512-BF16 alone does not (Xeon model 207 without AMX, SmolLM2 decode at 32 rows: bf16 steps 7-13%
+# slower than float32, none faster at 1 row; docs/performance.md).
+FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16"})
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -35,10 +39,11 @@ class EngineConfig:
     ``num_kv_blocks``: None sizes the KV pool from ``kv_cache_bytes`` (None: 1 GiB on CPU, 90% of free memory on
     CUDA), capped by what ``max_num_seqs`` full-length sequences could ever use.
     ``max_num_batched_tokens``: the token budget of one forward pass; longer prompts are prefilled in chunks.
-    ``device``/``dtype``: None picks cuda if available, else cpu; bfloat16 on CUDA and on CPUs with AMX or
-    AVX512-BF16 (and whenever ``quantization`` is set), float32 on other CPUs. ``dtype="float32"`` without
-    quantisation runs transformers' own forward (token-for-token equal to its ``generate``); every other setting
-    runs the engine's fused decoder (``decoder.py``) where the architecture allows.
+    ``device``/``dtype``: None picks cuda if available, else cpu; bfloat16 on CUDA and on CPUs with fast bf16
+    matmuls (``FAST_BF16_CPU_FLAGS``), float32 on other CPUs. ``dtype="float32"`` without quantisation (``"auto"``
+    included) runs transformers' own forward (token-for-token equal to its ``generate``); every other setting,
+    a float32 the CPU picked included, runs the engine's fused decoder (``decoder.py``) where the architecture
+    allows (``plan_compute``).
     ``enable_prefix_caching``: reuse the K/V of full blocks whose token prefix was computed before (on by default).
     ``cascade_attention``: decode queries attend to the block-table prefix the whole batch shares (a system prompt
     found by prefix caching) once, in one matmul, instead of once per sequence (exact; docs/performance.md).
@@ -48,9 +53,9 @@ class EngineConfig:
     ``quantization``: None or ``"none"`` (the model's weights in ``dtype``), ``"int8"`` or ``"int4"``: weight-only
     quantised Linear weights (int8 per output row; int4 in groups of 32 with an offset, GGUF Q4_1's layout)
     multiplied with bf16 activations for batches of a few rows, where a step reads weights; larger batches use the
-    same weights de-quantised to bf16 (``linear.py``); CPU and bfloat16 only. ``"auto"``: int4 where that loses
-    nothing, i.e. on a CPU running bf16 when the weights were de-quantised from 4-bit GGUF blocks (the built-in
-    SmolLM2 is Q4_1), else none.
+    same weights de-quantised to ``dtype`` (``linear.py``); CPU, float32 or bfloat16. ``"auto"``: int4 where that
+    loses nothing, i.e. on a CPU when the weights were de-quantised from 4-bit GGUF blocks (the built-in SmolLM2
+    is Q4_1) and float32 was not asked for, else none.
     ``speculative_method``: None, ``"ngram"`` (prompt lookup) or ``"draft"`` (``draft_model``, a model sharing the
     target's tokenizer); each decoding request proposes up to ``num_speculative_tokens`` tokens per step, but only
     while at most ``speculative_max_batch`` requests run (above that verification costs more than it saves; see
@@ -117,6 +122,15 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class ComputePlan:
+    """How a forward pass computes: derived from the config, the CPU and the model's weights (``plan_compute``)."""
+
+    dtype: torch.dtype  # activations, dense weights and the KV cache
+    quantization: str | None  # "int8"/"int4": weight-only kernels for calls of a few rows (``linear.py``)
+    own_decoder: bool  # the engine's fused decoder (``decoder.py``); False: transformers' own forward
+
+
+@dataclass(frozen=True)
 class EnginePlan:
     """Derived, machine- and model-dependent settings. ``max_model_len`` never exceeds the KV pool, so a request
     alone always fits and preemption can always make progress."""
@@ -148,13 +162,35 @@ def cpu_flags() -> frozenset[str]:
 
 
 def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
-    """The configured dtype; else bf16 on CUDA, on CPUs with fast bf16 units (``flags``: default this CPU's) and
-    with quantisation (its kernels take bf16 activations), float32 on other CPUs (their bf16 matmuls are slow)."""
+    """The configured dtype; else bf16 on CUDA and on CPUs with fast bf16 units (``flags``: default this CPU's),
+    float32 on other CPUs (their dense bf16 matmuls are slower than float32 ones; quantised layers still feed
+    their kernels bf16, ``linear.py``)."""
     if config.dtype is not None:
         return DTYPES[config.dtype]
-    if device.type == "cuda" or config.quantization in ("int8", "int4"):
+    if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if FAST_BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags) else torch.float32
+
+
+def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype, unsupported: str | None,
+                 on_int4_grid: bool) -> ComputePlan:
+    """Which forward runs with which weights, from the config, the picked ``dtype`` and two facts of the model:
+    why the own decoder cannot run it (``unsupported``, None: it can) and whether its weights lie on a 4-bit
+    grid per 32 columns (``on_int4_grid``: de-quantised from GGUF Q4_1 blocks).
+
+    ``"auto"`` takes int4 on a CPU for weights on the grid (the model file's own 4-bit blocks, no extra loss) unless
+    float32 was asked for: ``dtype="float32"`` with no quantisation is transformers' exact forward, kept as the
+    reference. A float32 run the CPU picked (``dtype`` unset) is not that request and runs the own decoder.
+    """
+    quantization = None if config.quantization == "none" else config.quantization
+    if quantization == "auto":
+        wanted = device.type == "cpu" and config.dtype != "float32" and unsupported is None and on_int4_grid
+        quantization = "int4" if wanted and dtype in QUANTIZED_COMPUTE_DTYPES else None
+    if quantization is not None and (device.type != "cpu" or dtype not in QUANTIZED_COMPUTE_DTYPES or unsupported):
+        raise ValueError(f"EngineConfig.quantization {quantization!r} needs device cpu, dtype float32 or bfloat16 "
+                         f"and a Llama-family model, got {device.type}, {dtype} and {unsupported or 'a supported'}")
+    exact = config.dtype == "float32" and quantization is None
+    return ComputePlan(dtype=dtype, quantization=quantization, own_decoder=unsupported is None and not exact)
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:

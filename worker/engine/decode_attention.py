@@ -49,6 +49,10 @@ class DecodeGroup:
     # (start, end) when the queries are the step's tokens start..end-1 in order (a decode-only step of one group):
     # then they are read and written as slices, without a gather and a scatter per layer.
     token_range: tuple[int, int] | None = None
+    # A plain group of one sequence (one stream) reads exactly its keys, without a mask: its length, and its
+    # blocks as (first, end) when their ids are consecutive, which makes its K/V a view of the cache, not a copy.
+    num_keys: int | None = None
+    block_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,12 +136,17 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
         shared = torch.tensor(tables[rows[0]][:num_shared], dtype=torch.long, device=device) if num_shared else None
         idx = [token_idx[r] for r in rows]
         in_order = idx == list(range(idx[0], idx[0] + len(idx)))
+        alone = len(rows) == 1 and not num_shared
+        table = own_tables[0]
+        consecutive = alone and list(table) == list(range(table[0], table[0] + len(table)))
         groups.append(DecodeGroup(
             token_idx=torch.tensor(idx, dtype=torch.long, device=device),
             token_range=(idx[0], idx[0] + len(idx)) if in_order else None,
             shared_block_ids=shared,
             block_tables=prepare_block_tables(own_tables, device),
             key_mask=(torch.arange(width, device=device)[None, :] < own_lens[:, None])[:, None, None, :],
+            num_keys=context_lens[rows[0]] if alone else None,
+            block_range=(table[0], table[0] + len(table)) if consecutive else None,
         ))
     return DecodeBatch(tuple(groups))
 
@@ -161,13 +170,19 @@ def _attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache:
     # consecutively as transformers' repeat_kv assumes.
     rows = query[group.token_idx] if group.token_range is None else query[group.token_range[0]:group.token_range[1]]
     q = rows.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bg, kvh, g, D]
-    keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
+    if group.block_range is not None:
+        keys, values = kv_cache.block_range(layer, *group.block_range)  # [1, S, kvh, D], views
+    else:
+        keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
+    if group.num_keys is not None:
+        keys, values = keys[:, :group.num_keys], values[:, :group.num_keys]
     # A transposed view, not a copy: the fused CPU kernel reads strided K/V faster than a contiguous copy costs.
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [Bg, kvh, S, D]
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     if group.shared_block_ids is None:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.key_mask, scale=scale)
+        mask = None if group.num_keys is not None else group.key_mask
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     else:
         out = _attend_cascade(layer, q, keys, values, group, kv_cache, scale)
     return out.reshape(num_seqs, num_heads, head_dim)  # out: [Bg, kvh, g, D]

@@ -74,8 +74,14 @@ class DecoderLayer(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, in float32 (``weight`` is float32), rounded once to the input dtype."""
-    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+    """Llama's RMSNorm, in float32 (``weight`` is float32), rounded once to the input dtype.
+
+    Spelled out as transformers does, not ``F.rms_norm``: on CPU that is a composite of ~10 ops with dtype
+    plumbing, 30-40 us per call on a [1, 576] row against ~15 us for these five, and a decode step makes 61 calls.
+    """
+    x32 = x if x.dtype == torch.float32 else x.float()  # a no-op .float() still costs a dispatch
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return normed if x.dtype == torch.float32 else normed.to(x.dtype)
 
 
 class Decoder(nn.Module):

@@ -48,6 +48,12 @@ class KVCache:
         values = self.values[layer].view(self.num_blocks, -1).index_select(0, flat_ids).view(shape)
         return keys, values
 
+    def block_range(self, layer: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the consecutive blocks ``first..end-1`` as views (no copy): two [1, (end - first) * block_size,
+        kvh, hd]. What ``gather`` returns for the table ``[first, ..., end - 1]``."""
+        shape = (1, (end - first) * self.block_size, *self.keys[layer].shape[2:])
+        return self.keys[layer][first:end].view(shape), self.values[layer][first:end].view(shape)
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate blocks ``src -> dst`` in every layer, before a request writes into its copy."""
         if not copies:

@@ -7,7 +7,9 @@
   of 32 input columns with a scale and an offset each, ``_weight_int4pack_mm_for_cpu``): used for calls with at
   most ``QUANTIZED_MAX_ROWS`` rows, where a matmul is a weight read and 2-4x fewer bytes make it 2-3x faster.
 With quantisation the dense copy holds the *de-quantised* weights, so both forms compute the same function up to
-the kernels' rounding. Both kernels want bf16 activations (with fp32 ones they are 10-100x slower).
+the kernels' rounding. Both kernels want bf16 activations (with fp32 ones they are 10-100x slower), so with a
+float32 compute dtype (CPUs without AMX, where dense bf16 matmuls are slower than fp32 ones) the few rows going to
+a kernel are cast to bf16 and its result back to float32: the dense copy stays float32 for prefill and big batches.
 
 int4 in groups of 32 with a per-group offset is the shape of GGUF's Q4_1 blocks: quantising weights that were
 de-quantised from Q4_1 finds each block's own ``(d, m)`` again (min and max of a block are codes 0 and 15), so the
@@ -24,6 +26,8 @@ INT4_GROUP_SIZE = 32
 # At up to this many rows a weight-only kernel beats the dense bf16 one (2-core Xeon with AMX, SmolLM2 shapes:
 # at 1 row int8 45 us vs bf16 237 us; at 8 rows 139 vs 111 us; at 64 rows 1410 vs 480 us; /work/shared probes).
 QUANTIZED_MAX_ROWS = 4
+KERNEL_DTYPE = torch.bfloat16  # the activations and scales both weight-only kernels are fast with
+QUANTIZED_COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # the compute dtypes a quantised layer serves
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +72,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+        if quantization is not None and dtype not in QUANTIZED_COMPUTE_DTYPES:
+            raise ValueError(f"quantized layers compute in one of {QUANTIZED_COMPUTE_DTYPES}, got {dtype}")
         self.out_features, self.in_features = weight.shape
         self.quantization = quantization
         self.bias = None if bias is None else bias.detach().to(dtype)
@@ -75,18 +81,19 @@ class PackedLinear(nn.Module):
         self.codes = self.scales = None
         if quantization == "int8":
             codes, scales = quantize_int8(weight)
-            self.codes, self.scales = codes, scales.to(dtype)
+            self.codes, self.scales = codes, scales.to(KERNEL_DTYPE)
             weight = codes.float() * self.scales.float()[:, None]
         elif quantization == "int4":
             codes, scales, low = quantize_int4(weight)
             # The kernel's convention: w = (q - 8) * scale + zero, scales_and_zeros [K/g, N, 2].
             zeros = low + 8 * scales
             self.codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            self.scales = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
+            self.scales = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
             pairs = self.scales.float().transpose(0, 1)  # [N, K/g, 2]: the rounded scales the kernel uses
             grouped = codes.view(self.out_features, -1, INT4_GROUP_SIZE).float() - 8
             weight = (grouped * pairs[..., :1] + pairs[..., 1:]).view(self.out_features, self.in_features)
         self.weight = weight.to(dtype)  # [N, K]
+        self.casts = quantization is not None and dtype != KERNEL_DTYPE  # float32 rows go to the kernel as bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: [..., K] -> [..., N]. 2-d inputs (the decoder's) skip the reshapes: a step makes ~120 calls."""
@@ -94,10 +101,13 @@ class PackedLinear(nn.Module):
         if self.codes is None or rows.shape[0] > QUANTIZED_MAX_ROWS:
             out = torch.nn.functional.linear(rows, self.weight, self.bias)
         else:
+            few = rows.to(KERNEL_DTYPE) if self.casts else rows  # a no-op .to() still costs a dispatch
             if self.quantization == "int8":
-                out = torch._weight_int8pack_mm(rows, self.codes, self.scales)
+                out = torch._weight_int8pack_mm(few, self.codes, self.scales)
             else:
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.codes, INT4_GROUP_SIZE, self.scales)
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(few, self.codes, INT4_GROUP_SIZE, self.scales)
+            if self.casts:
+                out = out.to(rows.dtype)
             if self.bias is not None:
                 out = out + self.bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)

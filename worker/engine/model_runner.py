@@ -21,7 +21,16 @@ from worker.engine.attention import (
     prepare_prefill_chunk,
     register_paged_attention,
 )
-from worker.engine.config import EngineConfig, EnginePlan, ModelShape, make_plan, pick_device, pick_dtype
+from worker.engine.config import (
+    ComputePlan,
+    EngineConfig,
+    EnginePlan,
+    ModelShape,
+    make_plan,
+    pick_device,
+    pick_dtype,
+    plan_compute,
+)
 from worker.engine.decode_attention import prepare_decode_batch
 from worker.engine.decoder import Decoder, unsupported_reason
 from worker.engine.host_memory import keep_freed_memory_for_reuse
@@ -47,38 +56,26 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
 
 
 def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: torch.dtype
-               ) -> tuple[torch.nn.Module, Decoder | None]:
-    """The model to run, and whether it is the engine's own ``Decoder`` (else transformers' forward runs).
-
-    float32 without quantisation keeps transformers' forward: token-for-token equal to its ``generate``. Every
-    other configuration runs the own decoder where the architecture allows (``decoder.unsupported_reason``).
-    """
+               ) -> tuple[torch.nn.Module, Decoder | None, ComputePlan]:
+    """The model to run, the engine's own ``Decoder`` when that is what runs (else None: transformers' forward),
+    and the plan that chose between them (``config.plan_compute``)."""
     attn_name = register_paged_attention()
     # The decoder quantises from (and de-quantises back to) float32 weights, so it loads them in float32.
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn_name)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() via a decorator
     reason = unsupported_reason(model)
-    quantization = resolve_quantization(config.quantization, model, device, dtype)
-    if quantization is not None:
-        if device.type != "cpu" or dtype != torch.bfloat16 or reason is not None:
-            raise ValueError(f"EngineConfig.quantization {quantization!r} needs device cpu, dtype bfloat16 and a "
-                             f"Llama-family model, got {device.type}, {dtype} and {reason or 'a supported'}")
-    elif dtype == torch.float32 or reason is not None:
-        return model.to(dtype), None
-    log.info("engine decoder: dtype=%s quantization=%s", dtype, quantization)
-    decoder = Decoder(model, dtype, quantization)
-    return decoder, decoder
+    on_grid = config.quantization == "auto" and reason is None and weights_on_int4_grid(model)
+    compute = plan_compute(config, device, dtype, reason, on_grid)
+    if not compute.own_decoder:
+        return model.to(dtype), None, compute
+    decoder = Decoder(model, dtype, compute.quantization)
+    return decoder, decoder, compute
 
 
-def resolve_quantization(requested: str | None, model: torch.nn.Module, device: torch.device, dtype: torch.dtype
-                         ) -> str | None:
-    """``"auto"``: int4 when it reproduces the weights (de-quantised from 4-bit GGUF blocks) on a bf16 CPU run."""
-    if requested != "auto":
-        return None if requested == "none" else requested
-    if device.type != "cpu" or dtype != torch.bfloat16 or unsupported_reason(model) is not None:
-        return None
-    first = model.model.layers[0]  # type: ignore[union-attr, index]  # a Llama-family model (checked above)
-    return "int4" if all(lies_on_int4_grid(w.weight) for w in (first.self_attn.q_proj, first.mlp.down_proj)) else None
+def weights_on_int4_grid(model: torch.nn.Module) -> bool:
+    """Whether the first layer's weights were de-quantised from 4-bit GGUF blocks (Llama family only)."""
+    first = model.model.layers[0]  # type: ignore[union-attr, index]  # a Llama-family model (checked by caller)
+    return all(lies_on_int4_grid(w.weight) for w in (first.self_attn.q_proj, first.mlp.down_proj))
 
 
 class ModelRunner:
@@ -91,13 +88,15 @@ class ModelRunner:
         dtype = pick_dtype(config, device)
         if device.type == "cpu":
             keep_freed_memory_for_reuse()  # process-wide, like the thread count: step temporaries stay mapped
-        self.model, self.decoder = load_model(config, folder, device, dtype)
+        self.model, self.decoder, self.compute = load_model(config, folder, device, dtype)
         self.shape = model_shape(self.model.config)
         self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
         self.kv_cache = KVCache(self.shape, self.plan)
         self.cascade_attention = config.cascade_attention
-        log.info("model loaded: folder=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
-                 folder, device, dtype, self.plan.num_kv_blocks, self.plan.block_size, self.plan.max_model_len)
+        log.info("model loaded: folder=%s device=%s dtype=%s quantization=%s forward=%s kv_blocks=%d block_size=%d "
+                 "max_model_len=%d", folder, device, dtype, self.compute.quantization,
+                 "decoder" if self.compute.own_decoder else "transformers", self.plan.num_kv_blocks,
+                 self.plan.block_size, self.plan.max_model_len)
 
     @property
     def device(self) -> torch.device:
