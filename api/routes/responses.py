@@ -41,7 +41,8 @@ from shared.schemas import ChatMessage, DoneEvent, ErrorEvent, JobRecord, JobSta
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-_UNSUPPORTED = ("previous_response_id", "conversation", "tools", "tool_choice", "reasoning", "include", "prompt")
+_UNSUPPORTED = ("previous_response_id", "conversation", "tools", "tool_choice", "reasoning", "include", "prompt",
+                "stream_options", "top_logprobs", "background", "max_tool_calls")
 
 
 class ResponsesRequest(BaseModel):
@@ -66,6 +67,10 @@ class ResponsesRequest(BaseModel):
     reasoning: Any = None
     include: list[Any] | None = None
     prompt: Any = None
+    stream_options: Any = None  # chat's usage options: a Response streams its usage in response.completed
+    top_logprobs: Any = None
+    background: Any = None  # a job is durable anyway: POST /v1/jobs, or a batch, for fire-and-forget
+    max_tool_calls: Any = None
 
 
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:

@@ -44,7 +44,9 @@ def test_text_format_json_schema_is_accepted(api: ApiServer, worker: InProcessWo
 
 
 @pytest.mark.parametrize(("field", "value"), [("previous_response_id", "resp_1"), ("tools", []),
-                                              ("reasoning", {"effort": "low"}), ("include", [])])
+                                              ("reasoning", {"effort": "low"}), ("include", []),
+                                              ("stream_options", {"include_usage": True}), ("top_logprobs", 2),
+                                              ("background", True), ("max_tool_calls", 1)])
 def test_unsupported_fields_are_a_400_naming_them(api: ApiServer, field: str, value: object) -> None:
     response = httpx.post(f"{api.base_url}/v1/responses", json={"model": MODEL, "input": "hi", field: value},
                           timeout=30)
