@@ -20,6 +20,10 @@ process's CPU seconds, to show which one saturated. A level is sustained when pu
 and the simulated workers kept >= 90 % of their step rate; a variant's ceiling is its best sustained level.
 Each run is bounded: no level starts after ``--max-run-s``; all traffic is on 127.0.0.1.
 
+``--publish-only STEPS`` measures the publish path alone instead: per level, one client publishes STEPS steps
+back to back for that many jobs (no API, no subscribers, no claims or completions in between), with Redis's
+counters read around exactly those steps.
+
 ``--variant NAME=DIR`` runs the simulated workers on the ``shared/`` package in DIR (a checkout of another commit,
 e.g. ``git archive <commit> shared | tar -x -C DIR``), alternating the variants level by level in one run (their
 order flips every level): a before/after comparison of the queue code under the same API, Redis and machine
@@ -49,7 +53,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import read_cpu_info  # noqa: E402
-from benchmarks.redis_capacity_report import Followed, Ramp, ceilings, line, summarize, write_markdown  # noqa: E402
+from benchmarks.redis_capacity_report import (  # noqa: E402
+    Followed,
+    Ramp,
+    ceilings,
+    line,
+    publish_only_line,
+    publish_only_row,
+    summarize,
+    write_markdown,
+)
 from benchmarks.simulated_workers import lag_ms  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import Settings  # noqa: E402
@@ -197,6 +210,25 @@ async def run_level(stack: Stack, variant: str, code_root: Path, num_jobs: int, 
                      {k: cpu1[k] - cpu0[k] for k in cpu1}, os.getloadavg()[0])
 
 
+async def run_publish_only(redis_url: str, redis: Redis, variant: str, code_root: Path, num_jobs: int,
+                           num_steps: int, tmp: Path) -> dict[str, Any]:
+    """The publish path alone for one variant: ``num_jobs`` jobs per step, ``num_steps`` steps back to back
+    (``simulated_workers.publish_only``), no API, no clients, no pacing."""
+    queue = JobQueue(redis, Settings(redis_url=redis_url, max_queue_length=100_000))
+    model = f"{MODEL}-publish"
+    for _ in range(num_jobs):
+        await queue.submit(JobSubmission(id=secrets.token_hex(12), model=model, prompt="x",
+                                         params=GenerationParams(max_tokens=num_steps + 1)))
+    out = tmp / f"publish-{variant}-{num_jobs}.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(SIMULATED_WORKERS), redis_url, model, str(out), "--max-jobs", str(num_jobs),
+        "--publish-only", str(num_steps), env={**os.environ, "PYTHONPATH": str(code_root)}, cwd=tempfile.gettempdir(),
+        stdin=subprocess.DEVNULL)
+    if await proc.wait() != 0:
+        raise RuntimeError(f"publish-only run of {variant} failed")
+    return publish_only_row(variant, json.loads(out.read_text()), os.getloadavg()[0])
+
+
 def _start_api(redis_url: str, port: int) -> subprocess.Popen[bytes]:
     """``tokenspool api`` of this checkout, as a process of its own."""
     env = {**os.environ, "TOKENSPOOL_REDIS_URL": redis_url, "TOKENSPOOL_PORT": str(port),
@@ -208,6 +240,16 @@ def _start_api(redis_url: str, port: int) -> subprocess.Popen[bytes]:
 async def _ramp(args: argparse.Namespace, variants: list[tuple[str, Path]], tmp: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with RedisServer(tmp / "redis", appendonly=not args.no_aof) as server:
+        if args.publish_only:
+            async with Redis.from_url(server.url, decode_responses=True) as redis:
+                await JobQueue(redis, Settings(redis_url=server.url)).publish_config()
+                for level, num_jobs in enumerate(args.jobs):
+                    for name, code_root in variants if level % 2 == 0 else variants[::-1]:
+                        row = await run_publish_only(server.url, redis, name, code_root, num_jobs, args.publish_only,
+                                                     tmp)
+                        rows.append(row)
+                        print(publish_only_line(row), flush=True)
+            return rows
         port = free_port()
         api = _start_api(server.url, port)
         # Blocking and bounded, as the API's: thousands of client loops share a few connections.
@@ -252,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the simulated workers' queue code: shared/ from DIR (default: this checkout)")
     parser.add_argument("--sse-share", type=float, default=1.0,
                         help="share of the jobs followed by an SSE client (the others: their record is polled)")
+    parser.add_argument("--publish-only", type=int, metavar="STEPS", default=0,
+                        help="instead of the ramp: the publish path alone, STEPS back-to-back steps per level (no API)")
     parser.add_argument("--no-aof", action="store_true", help="Redis without AOF persistence")
     parser.add_argument("--out", type=Path, default=RESULTS / "redis_capacity.json", help="JSON; .md beside it")
     args = parser.parse_args(argv)
@@ -268,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
               "level_s": args.level_s, "no_aof": args.no_aof, "sse_share": args.sse_share,
               "p99_limit_ms": args.p99_limit_ms,
               "variants": {name: str(root) for name, root in variants}, "rows": rows,
-              "ceilings": ceilings(rows, [name for name, _ in variants])}
+              "publish_only_steps": args.publish_only,
+              "ceilings": {} if args.publish_only else ceilings(rows, [name for name, _ in variants])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     write_markdown(result, args.out.with_suffix(".md"))

@@ -95,6 +95,26 @@ def ceilings(rows: Sequence[dict[str, Any]], variants: Sequence[str]) -> dict[st
     return best
 
 
+def publish_only_row(variant: str, run: dict[str, Any], load_average_1m: float) -> dict[str, Any]:
+    """A ``--publish-only`` level: what ``simulated_workers.publish_only`` measured, per token."""
+    tokens = run["tokens"]
+    return {"variant": variant, "jobs": run["jobs"], "tokens": tokens, "tokens_per_s": tokens / run["wall_s"],
+            "publish_p50_ms": 1000 * percentile(run["latencies_s"], 50),
+            "publish_p99_ms": 1000 * percentile(run["latencies_s"], 99),
+            "redis_cpu_us_per_token": 1e6 * run["redis_cpu_s"] / tokens,
+            "redis_commands_per_token": run["redis_commands"] / tokens,
+            "redis_bytes_in_per_token": run["redis_net_in_bytes"] / tokens,
+            "load_average_1m": load_average_1m, "queue_code": run["queue_code"]}
+
+
+def publish_only_line(row: dict[str, Any]) -> str:
+    """One ``--publish-only`` level on one line."""
+    return (f"{row['variant']:>8} {row['jobs']:5d} jobs per step: {row['tokens_per_s']:8.0f} tok/s from one client, "
+            f"publish p50 / p99 {row['publish_p50_ms']:.1f} / {row['publish_p99_ms']:.1f} ms, Redis "
+            f"{row['redis_cpu_us_per_token']:5.1f} us/token, {row['redis_commands_per_token']:.2f} cmds/token, "
+            f"{row['redis_bytes_in_per_token']:.0f} bytes in/token, load {row['load_average_1m']:.1f}")
+
+
 def line(row: dict[str, Any]) -> str:
     """One level on one line, as the run prints it."""
     return (f"{row['variant']:>8} {row['jobs']:5d} jobs: {row['tokens_per_s']:8.0f} tok/s (offered "
@@ -106,6 +126,18 @@ def line(row: dict[str, Any]) -> str:
 
 def write_markdown(result: dict[str, Any], path: Path) -> None:
     """The run as Markdown: the machine and settings, one table row per level, the ceiling per variant."""
+    if result["publish_only_steps"]:
+        path.write_text("\n".join([
+            f"CPU: **{result['cpu']}**; {result['date']}; load average {result['load_average_start']:.1f} at the "
+            f"start, {result['load_average_end']:.1f} at the end; the publish path alone: "
+            f"{result['publish_only_steps']} back-to-back steps of one token per job, no API, no subscribers; "
+            f"Redis {'without' if result['no_aof'] else 'with'} AOF.", "",
+            "| variant | jobs per step | tok/s (one client) | publish p50 / p99 ms | Redis us/token | cmds/token "
+            "| bytes in per token | load |", "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *(f"| {r['variant']} | {r['jobs']} | {r['tokens_per_s']:.0f} | {r['publish_p50_ms']:.1f} / "
+              f"{r['publish_p99_ms']:.1f} | {r['redis_cpu_us_per_token']:.1f} | {r['redis_commands_per_token']:.2f} "
+              f"| {r['redis_bytes_in_per_token']:.0f} | {r['load_average_1m']:.1f} |" for r in result["rows"])]) + "\n")
+        return
     lines = [f"CPU: **{result['cpu']}**; {result['date']}; load average {result['load_average_start']:.1f} at the "
              f"start, {result['load_average_end']:.1f} at the end; step {result['step_ms']:g} ms (one token per job "
              f"per step), {result['workers']} simulated workers, {result['output_len']} tokens per job, "

@@ -112,6 +112,41 @@ async def run(redis_url: str, model: str, num_workers: int, step_s: float, max_j
     return samples
 
 
+async def publish_only(redis_url: str, model: str, max_jobs: int, num_steps: int) -> dict[str, object]:
+    """The publish path alone: claim up to ``max_jobs`` queued jobs of ``model`` and publish ``num_steps`` steps
+    of one token each back to back (no pacing, no claims or completions in between), reading Redis's CPU time,
+    commands and input bytes around exactly those steps; then complete the jobs."""
+    redis = Redis.from_url(redis_url)
+    queue = JobQueue(redis, Settings(redis_url=redis_url, lease_ttl_s=600))
+    claims = await queue.claim(model, "publish-only", max_jobs)
+
+    def step(n: int) -> list[tuple[str, int, list[TokenEvent]]]:
+        return [(c.submission.id, c.fence, [TokenEvent(seq=n, text=" the", token_ids=[TOKEN_ID])]) for c in claims]
+
+    async def counters() -> tuple[float, float, float]:
+        info = await redis.info("all")
+        return (float(info["used_cpu_sys"]) + float(info["used_cpu_user"]), float(info["total_commands_processed"]),
+                float(info["total_net_input_bytes"]))
+
+    await queue.publish_many(step(1))  # loads the script
+    latencies = []
+    before = await counters()
+    began = time.monotonic()
+    for n in range(2, num_steps + 2):
+        sent = time.monotonic()
+        assert all(await queue.publish_many(step(n)))
+        latencies.append(time.monotonic() - sent)
+    wall_s = time.monotonic() - began
+    after = await counters()
+    for c in claims:
+        await queue.complete(c.submission.id, c.fence, JobResult(
+            choices=[Choice(index=0, text="", finish_reason="length")], usage=Usage(prompt_tokens=1)))
+    await redis.aclose()
+    return {"jobs": len(claims), "tokens": len(claims) * num_steps, "wall_s": wall_s, "latencies_s": latencies,
+            "redis_cpu_s": after[0] - before[0], "redis_commands": after[1] - before[1],
+            "redis_net_in_bytes": after[2] - before[2]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("redis_url")
@@ -120,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--step-ms", type=float, default=25.0)
     parser.add_argument("--max-jobs", type=int, default=1024, help="jobs one simulated worker holds at most")
+    parser.add_argument("--publish-only", type=int, metavar="STEPS", default=0,
+                        help="measure STEPS back-to-back publish steps of the queued jobs instead (publish_only)")
     args = parser.parse_args(argv)
+    queue_code = str(Path(sys.modules["shared"].__file__ or "").parent)
+    if args.publish_only:
+        result = asyncio.run(publish_only(args.redis_url, args.model, args.max_jobs, args.publish_only))
+        args.out.write_text(json.dumps({**result, "queue_code": queue_code}))
+        return 0
     stop = threading.Event()
 
     def wait_for_eof() -> None:
@@ -132,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"publishes": samples.publishes, "completions": samples.completions,
                                     "tokens_accepted": samples.tokens_accepted,
                                     "stale_publishes": samples.stale_publishes,
-                                    "queue_code": str(Path(sys.modules["shared"].__file__ or "").parent)}))
+                                    "queue_code": queue_code}))
     return 0
 
 

@@ -51,3 +51,15 @@ def test_token_stamps_measure_lag_across_the_modulo() -> None:
     assert stamp(1234.5678) == "01234567"
     assert lag_ms(stamp(1000.0), 1000.25) == 250.0
     assert lag_ms(stamp(99_999.999), 100_000.004) == 5.0  # 10^8 ms wraps to 0
+
+
+def test_publish_only_measures_the_publish_path_alone(tmp_path: Path) -> None:
+    out = tmp_path / "publish.json"
+    assert main(["--publish-only", "5", "--jobs", "3", "--no-aof", "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["jobs"] == 3 and row["tokens"] == 15 and row["tokens_per_s"] > 0
+    # Per job and step HMGET + XADD + PUBLISH + HSET inside the script, one EVALSHA per step (and the INFO that
+    # opened the window): 4 + (5 + 1) / 15 commands per token.
+    assert abs(row["redis_commands_per_token"] - (4 + 6 / 15)) < 1e-9
+    assert row["redis_cpu_us_per_token"] > 0 and 0 < row["publish_p50_ms"] <= row["publish_p99_ms"]
+    assert "| current | 3 |" in out.with_suffix(".md").read_text()
