@@ -39,6 +39,7 @@ class Scripts:
     claim: AsyncScript
     renew: AsyncScript
     publish: AsyncScript
+    publish_step: AsyncScript
     complete: AsyncScript
     fail: AsyncScript
     release: AsyncScript

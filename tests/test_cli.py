@@ -164,6 +164,8 @@ def test_bench_runs_the_benchmark_scripts(capfd: pytest.CaptureFixture[str]) -> 
     assert "--workloads" in capfd.readouterr().out
     assert main(["bench", "api-relay", "--help"]) == 0
     assert "--step-ms" in capfd.readouterr().out
+    assert main(["bench", "redis-capacity", "--help"]) == 0
+    assert "--variant" in capfd.readouterr().out
 
 
 def test_readme_settings_table_is_current() -> None:

@@ -52,7 +52,7 @@ COMMAND_FIELDS: dict[str, tuple[str, ...]] = {
 # Every bench is a script in benchmarks/ (`bench serve` is the load generator, benchmarks/loadgen.py).
 BENCHMARKS = {"offline": "offline_throughput.py", "queue-cost": "serve.py", "speculative": "speculative.py",
               "api-relay": "api_relay.py", "serve": "loadgen.py", "llama-cpp": "llama_cpp.py",
-              "gpu-check": "gpu_check.py", "step-cost": "step_cost.py"}
+              "gpu-check": "gpu_check.py", "step-cost": "step_cost.py", "redis-capacity": "redis_capacity.py"}
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

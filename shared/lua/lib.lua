@@ -92,16 +92,52 @@ local function settle(ctx, jk, used)
   redis.call('HDEL', jk, 'rkey', 'charged')
 end
 
--- Append one event to the job's replay log and channel. `body` is a JSON object without "seq"; the job's
--- seq counter numbers it, so seq grows across attempts and no worker needs to know earlier attempts.
+-- Append event number `seq` of a job to its replay log and channel. `body` is a JSON object without "seq".
 -- The stream entry id is "<seq>-0", so XREAD/XRANGE from "<last seen seq>-0" resumes a client exactly.
-local function emit(ctx, id, body)
-  local jk = job_key(ctx, id)
-  local seq = redis.call('HINCRBY', jk, 'seq', 1)
+local function append_event(ctx, id, seq, body)
   local data = '{"seq":' .. seq .. ',' .. string.sub(body, 2)
   redis.call('XADD', log_key(ctx, id), 'MAXLEN', '~', ctx.stream_maxlen, seq .. '-0', 'seq', seq, 'data', data)
   redis.call('PUBLISH', live_channel(ctx, id), data)
+end
+
+-- Append one event to the job's replay log and channel, numbered by the job's seq counter, so seq grows
+-- across attempts and no worker needs to know earlier attempts.
+local function emit(ctx, id, body)
+  local seq = redis.call('HINCRBY', job_key(ctx, id), 'seq', 1)
+  append_event(ctx, id, seq, body)
   return seq
+end
+
+-- A running job's new events (publish.lua, and each job of publish_step.lua): `args[first..last]` are pairs of
+-- attempt-local event number (1, 2, ... within this claim) and event JSON without "seq". Numbers this claim
+-- already published (the record's `pub`) are skipped, so a retried call never duplicates an event; the job's seq
+-- counter numbers the others. `tokens`: some are token events (the first sets `first_token_at`). One HMGET and
+-- one HSET per job, whatever the number of events. Returns 1, or 0 when the fence is stale (the caller lost it).
+local function publish_job(ctx, jk, id, fence, tokens, args, first, last)
+  local status, held, pub, seq, first_token = unpack(redis.call('HMGET', jk, 'status', 'fence', 'pub', 'seq',
+    'first_token_at'))
+  if status ~= 'running' or held ~= fence then
+    return 0
+  end
+  pub = tonumber(pub or '0')
+  seq = tonumber(seq or '0')
+  local newest = pub
+  for i = first, last, 2 do
+    local n = tonumber(args[i])
+    if n > newest then
+      seq = seq + 1
+      append_event(ctx, id, seq, args[i + 1])
+      newest = n
+    end
+  end
+  if newest > pub then
+    if tokens and not first_token then
+      redis.call('HSET', jk, 'pub', newest, 'seq', seq, 'first_token_at', fmt(now()))
+    else
+      redis.call('HSET', jk, 'pub', newest, 'seq', seq)
+    end
+  end
+  return 1
 end
 
 -- Terminal transition: status + fields, out of the in-flight set, a done marker in the log, and the result

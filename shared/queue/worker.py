@@ -27,6 +27,20 @@ from shared.schemas import (
 log = logging.getLogger(__name__)
 
 REAP_BATCH = 100
+# Jobs in one publish_step.lua call at most: a script blocks Redis while it runs (~10 us per job and event), so a
+# step of thousands of jobs is split into calls of a few milliseconds each, letting other clients in between.
+PUBLISH_STEP_MAX_JOBS = 256
+
+
+def publish_groups(job_ids: Sequence[str], max_jobs: int = PUBLISH_STEP_MAX_JOBS) -> list[list[int]]:
+    """How one step's jobs are split into publish_step.lua calls: lists of indexes into ``job_ids``, in order.
+
+    On one Redis node any jobs may share a call, so this is consecutive runs of ``max_jobs``. On a Redis Cluster a
+    script's keys must share a hash slot: this is the one place that would group the jobs by slot instead.
+    """
+    if max_jobs < 1:
+        raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
+    return [list(range(start, min(start + max_jobs, len(job_ids)))) for start in range(0, len(job_ids), max_jobs)]
 
 
 class WorkerSide(QueueBase):
@@ -100,32 +114,39 @@ class WorkerSide(QueueBase):
 
     async def publish_many(self, batches: Iterable[tuple[str, int, Sequence[TokenEvent | RestartEvent]]],
                            ) -> list[bool]:
-        """``publish`` for several jobs in one round trip (one pipeline per engine step).
+        """``publish`` for several jobs in one round trip: one engine step's events, in one publish_step.lua call
+        per group of ``publish_groups`` (one group of up to ``PUBLISH_STEP_MAX_JOBS`` jobs on a single node).
+        Returns, per job in order, whether it was published (False: stale fence, the worker lost the job).
 
         Each event's ``seq`` is its number within this claim (1, 2, ... per attempt, gap-free); Redis renumbers
         it with the job's own counter, so seq keeps growing across attempts, and drops numbers it already
         has, so a retried call never duplicates an event.
         """
-        calls: list[tuple[str, list[str | int]]] = []
-        for job_id, fence, events in batches:
-            args: list[str | int] = [self._ctx, job_id, fence, int(any(isinstance(e, TokenEvent) for e in events))]
-            for event in events:
-                args += [event.seq, event.model_dump_json(exclude={"seq"})]
-            calls.append((keys.job(job_id), args))
+        jobs = list(batches)
+        calls: list[tuple[list[str], list[str | int]]] = []
+        for group in publish_groups([job_id for job_id, _, _ in jobs]):
+            job_keys: list[str] = []
+            args: list[str | int] = [self._ctx]
+            for job_id, fence, events in (jobs[i] for i in group):
+                job_keys.append(keys.job(job_id))
+                args += [job_id, fence, int(any(isinstance(e, TokenEvent) for e in events)), len(events)]
+                for event in events:
+                    args += [event.seq, event.model_dump_json(exclude={"seq"})]
+            calls.append((job_keys, args))
         try:
             replies = await self._publish_pipeline(calls)
         except NoScriptError:  # Redis restarted and lost its scripts: nothing ran; load it and send again
-            await self._redis.script_load(self._scripts.publish.script)
+            await self._redis.script_load(self._scripts.publish_step.script)
             replies = await self._publish_pipeline(calls)
-        return [bool(int(r)) for r in replies]
+        return [bool(int(ok)) for reply in replies for ok in reply]
 
-    async def _publish_pipeline(self, calls: Sequence[tuple[str, list[str | int]]]) -> list[Any]:
-        """EVALSHA of publish.lua per job in one pipeline. Called directly rather than as registered scripts,
-        which would make every pipeline ask ``SCRIPT EXISTS`` first: one round trip per engine step saved."""
-        sha = self._scripts.publish.sha
+    async def _publish_pipeline(self, calls: Sequence[tuple[list[str], list[str | int]]]) -> list[Any]:
+        """EVALSHA of publish_step.lua per group in one pipeline. Called directly rather than as registered
+        scripts, which would make every pipeline ask ``SCRIPT EXISTS`` first: one round trip per step saved."""
+        sha = self._scripts.publish_step.sha
         async with self._redis.pipeline(transaction=False) as pipe:
-            for job_key, args in calls:
-                pipe.evalsha(sha, 1, job_key, *args)
+            for job_keys, args in calls:
+                pipe.evalsha(sha, len(job_keys), *job_keys, *args)
             return list(await pipe.execute())
 
     async def complete(self, job_id: str, fence: int, result: JobResult) -> bool:
