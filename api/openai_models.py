@@ -28,6 +28,8 @@ class StreamOptions(_Request):
     include_usage: bool = Field(False, description="a last chunk with the usage, and no choices")
     continuous_usage_stats: bool = Field(False, description="vLLM's extension (needs include_usage): every chunk "
                                          "carries the usage so far")
+    include_obfuscation: bool | None = Field(None, description="false only: tokenspool never pads its stream "
+                                             "events with obfuscation (true is a 400)")
 
 
 class SamplingRequest(_Request):

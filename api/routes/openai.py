@@ -293,6 +293,9 @@ def _reject_unsupported_stream_options(body: SamplingRequest) -> None:
         # vLLM ignores it without include_usage; here a field accepted is a field honoured
         raise invalid_request("continuous_usage_stats needs include_usage: true",
                               param="stream_options.continuous_usage_stats")
+    if options is not None and options.include_obfuscation:
+        raise invalid_request("include_obfuscation is not supported: stream events are never padded (send false "
+                              "or leave it out)", param="stream_options.include_obfuscation")
 
 
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:

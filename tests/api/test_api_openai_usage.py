@@ -97,3 +97,15 @@ def test_continuous_usage_stats_is_refused_where_it_cannot_be_honoured(api: ApiS
     without_usage = httpx.post(url, json=alone, timeout=30)
     assert without_usage.status_code == 400
     assert without_usage.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize(("path", "body"), [("chat/completions", CHAT), ("completions", COMPLETION)])
+def test_include_obfuscation_true_is_refused_false_is_honoured(api: ApiServer, worker: InProcessWorker, path: str,
+                                                               body: dict[str, Any]) -> None:
+    url = f"{api.base_url}/v1/{path}"
+    refused = httpx.post(url, json={**body, "stream": True, "stream_options": {"include_obfuscation": True}},
+                         timeout=30)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "stream_options.include_obfuscation"
+    chunks = _raw_stream(api, path, {**body, "stream_options": {"include_obfuscation": False}})
+    assert chunks and all("obfuscation" not in chunk for chunk in chunks)
