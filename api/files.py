@@ -77,11 +77,13 @@ class FileStore:
         file_id = file_id or new_file_id()
         fields: HashFields = {"id": file_id, "owner": owner or "", "filename": filename, "purpose": purpose,
                   "bytes": len(content), "created_at": now, "expires_at": now + self._retention_s}
+        # The file, then its owner's index: two slots on a Redis Cluster, so two steps (a crash between leaves a
+        # file its owner's list does not show, which expires with its retention).
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(keys.file(file_id), mapping={**fields, "content": content})
             pipe.expire(keys.file(file_id), self._retention_s)
-            pipe.zadd(keys.files_of(owner), {file_id: time.time()})  # sub-second: listing order is exact
             await pipe.execute()
+        await self._redis.zadd(keys.files_of(owner), {file_id: time.time()})  # sub-second: listing order is exact
         return _object({str(k): str(v) for k, v in fields.items()})
 
     async def get(self, owner: str | None, file_id: str) -> FileObject | None:
@@ -122,10 +124,8 @@ class FileStore:
     async def delete(self, owner: str | None, file_id: str) -> bool:
         if await self.get(owner, file_id) is None:
             return False
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.file(file_id))
-            pipe.zrem(keys.files_of(owner), file_id)
-            await pipe.execute()
+        await self._redis.delete(keys.file(file_id))  # then the index entry (a listing prunes one left behind)
+        await self._redis.zrem(keys.files_of(owner), file_id)
         return True
 
     async def _meta(self, file_id: str) -> dict[str, str] | None:

@@ -29,5 +29,6 @@ def start_loops(redis: Redis, queue: JobQueue, settings: Settings, metrics: ApiM
     if webhooks_enabled(settings):
         delivery = WebhookDelivery(redis, settings, WebhookMetrics(metrics.registry))
         tasks.append(asyncio.create_task(delivery.run_forever(), name="webhook-delivery"))
-        tasks.append(asyncio.create_task(JobEventReader(redis, outbox).run_forever(), name="job-events"))
+        tasks += [asyncio.create_task(JobEventReader(redis, outbox, queue.keyspace, shard).run_forever(),
+                                      name=f"job-events-{shard}") for shard in queue.keyspace.shards]
     return tasks

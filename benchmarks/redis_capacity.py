@@ -70,6 +70,8 @@ from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
 from shared.queue import JobQueue  # noqa: E402
 from shared.schemas import GenerationParams, JobStatus, JobSubmission  # noqa: E402
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "capacity-bench"
 SIMULATED_WORKERS = ROOT / "benchmarks" / "simulated_workers.py"
@@ -256,7 +258,7 @@ async def _ramp(args: argparse.Namespace, variants: list[tuple[str, Path]], tmp:
         redis = Redis.from_pool(BlockingConnectionPool.from_url(server.url, decode_responses=True,
                                                                 max_connections=32, timeout=60))
         try:
-            while not await redis.exists(keys.CONFIG):
+            while not await redis.exists(KS.config(0)):
                 if api.poll() is not None:
                     raise RuntimeError("the API exited at start")
                 await asyncio.sleep(0.1)

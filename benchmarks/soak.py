@@ -54,6 +54,8 @@ from shared.launcher.supervisor import Supervisor  # noqa: E402
 from shared.launcher.up import child_specs  # noqa: E402
 from shared.schemas import WorkerInfo  # noqa: E402
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 RESULTS = ROOT / "benchmarks" / "results"
 TERMINAL = ("succeeded", "failed", "cancelled")
 KINDS = ("poll", "sse", "completion", "chat_stream")
@@ -225,7 +227,7 @@ def wait_terminal(r: redis.Redis, job_ids: list[str], timeout_s: float) -> dict[
     while True:
         with r.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hget(keys.job(job_id), "status")
+                pipe.hget(KS.job(job_id), "status")
             statuses = {job_id: (s or b"missing").decode() for job_id, s in zip(job_ids, pipe.execute(), strict=True)}
         if all(s in TERMINAL for s in statuses.values()) or time.monotonic() > deadline:
             return statuses
@@ -256,9 +258,9 @@ def check_redis(r: redis.Redis, baseline: set[bytes], job_ids: list[str], report
     """Only baseline keys plus each job's record and log (with a TTL), and the bounded per-model and per-owner
     state: the FIFO counter, the tenants' fair-share clock, the recent-jobs index (it expires) and the job-event
     stream (capped)."""
-    expected = {k.encode() for job_id in job_ids for k in (keys.job(job_id), keys.job_log(job_id))}
-    bounded = (keys.queue_seq(MODEL_NAME), keys.DEAD_LETTER, keys.queue_vtime(MODEL_NAME), keys.owner_jobs(None),
-               keys.JOB_EVENTS)
+    expected = {k.encode() for job_id in job_ids for k in (KS.job(job_id), KS.job_log(job_id))}
+    bounded = (KS.queue_seq(MODEL_NAME, 0), KS.dead_letter(0), KS.queue_vtime(MODEL_NAME, 0), KS.owner_jobs(None, 0),
+               KS.job_events(0))
     allowed = baseline | {k.encode() for k in bounded}
     after = set(r.scan_iter(count=1000))
     report.redis_keys_baseline, report.redis_keys_after = len(baseline), len(after)

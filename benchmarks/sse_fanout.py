@@ -35,6 +35,8 @@ from shared import keys  # noqa: E402
 from shared.launcher.redis_server import RedisServer, free_port  # noqa: E402
 from shared.scripts import lua_source  # noqa: E402
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "fanout-bench"
 
@@ -61,7 +63,7 @@ def _submit(r: redis.Redis, count: int) -> list[str]:
     pipe = r.pipeline(transaction=False)
     for job_id in ids:
         body = json.dumps({"id": job_id, "model": MODEL, "prompt": "waiting", "params": {"max_tokens": 1}})
-        submit(keys=[keys.job(job_id), keys.queue(MODEL), keys.queue_seq(MODEL), keys.CONFIG], args=[body],
+        submit(keys=[KS.job(job_id), KS.queue(MODEL, 0), KS.queue_seq(MODEL, 0), KS.config(0)], args=[body],
                client=pipe)
     pipe.execute()
     return ids
@@ -109,7 +111,7 @@ def measure(base_url: str, api_pid: int, r: redis.Redis, streams: int) -> dict[s
         return row
 
     row = asyncio.run(run())
-    r.delete(keys.queue(MODEL), *(keys.job(i) for i in ids))
+    r.delete(KS.queue(MODEL, 0), *(KS.job(i) for i in ids))
     return row
 
 
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         api = subprocess.Popen([sys.executable, "-m", "shared.launcher.cli", "api"], env=env, cwd=ROOT)
         try:
             base_url = f"http://127.0.0.1:{port}"
-            _wait(lambda: r.exists(keys.CONFIG), 60, "the API stored ts:config")
+            _wait(lambda: r.exists(KS.config(0)), 60, "the API stored ts:config")
             measure(base_url, api.pid, r, 50)  # warm-up
             for count in (int(c) for c in args.streams.split(",")):
                 row = measure(base_url, api.pid, r, count)

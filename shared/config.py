@@ -27,7 +27,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENSPOOL_", frozen=True, extra="ignore")
 
     # --- Redis ---------------------------------------------------------------------------------------
-    redis_url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server")
+    redis_url: str | None = Field(None, description="Redis URL; unset = start an embedded redis-server; a Redis "
+                                  "Cluster as redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)")
+    queue_shards: int = Field(1, ge=1, le=1024, description="queue shards every model's jobs spread over (each in "
+                              "its own Cluster hash slot); every API and worker on one Redis must use the same")
     data_dir: Path = Field(default_factory=default_data_dir, description="embedded Redis data (AOF) directory")
 
     # --- queue protocol ------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
 
-from shared import keys
 from shared.live_channels import RESYNC, LiveSubscription
 from shared.pubsub import TRANSIENT_ERRORS
 from shared.schemas import DoneEvent, ErrorEvent, RestartEvent, StreamEvent, TokenEvent
@@ -52,7 +51,7 @@ class JobStreamReader:
         self._more = False  # the last log page read was full: read on before waiting for live events
 
     async def subscribe(self) -> None:
-        self._live = await self._queue.live_channels.subscribe(keys.job_live(self._job_id))
+        self._live = await self._queue.live_channels.subscribe(self._queue.keyspace.job_live(self._job_id))
 
     async def close(self) -> None:
         if self._live is not None:

@@ -1,32 +1,225 @@
 """Every Redis key, channel and TTL tokenspool uses, in one place (see docs/protocol.md).
 
-All names start with ``ts:``. The keys of one job share the hash tag ``{<job_id>}`` and the keys of one
-model's queue share ``{<model>}``, so each group maps to one Cluster slot. The transition scripts (submit,
-claim, reap, ...) nevertheless touch a model's queue, the global in-flight set and a job's keys atomically,
-and claim/reap only learn job ids inside the script; tokenspool therefore runs on a single Redis node (with
-replicas if wanted), not on Redis Cluster. The tags keep a later port (a queue per slot) a rename away.
+All names start with ``ts:``. Jobs live in **queue shards** (``Settings.queue_shards``, 1 on a single node):
+every key a transition script touches (a job's record, log and lease, its model's queue in that shard, the
+shard's in-flight and dead-letter sets, idempotency keys, the owner index, the job-event stream) carries the
+shard's hash tag ``{<tag>}``, so each script runs in one Cluster hash slot. A job's shard is a function of its
+id (``shard_of``: CRC16 of the id modulo the shard count, the CRC Redis Cluster uses for slots), so anyone who
+knows the id finds its keys. Shard ``k``'s tag is chosen to hash into the k-th equal part of the slot range
+(``shard_tag``), so on a cluster whose masters own equal contiguous slot ranges (what ``redis-cli --cluster
+create`` makes) the shards spread over all masters.
 
-Scripts that derive job keys from ids they discover (claim, reap, cancel) receive the prefix and suffixes
-defined here as arguments, so no key format is ever spelled a second time in Lua.
+Keys that no job script touches (the worker fleet, model cards, batches, files, webhooks) are outside the
+shards; those that one script touches together share a fixed tag (``{fleet}``, ``{webhooks}``).
+
+Scripts that derive job keys from ids they discover (claim, reap, cancel) receive the shard's key prefixes as
+arguments (``Keyspace.layout``), so no key format is ever spelled a second time in Lua.
 """
 
 from __future__ import annotations
 
+import binascii
+import secrets
+from dataclasses import dataclass
+from functools import cached_property
+
 PREFIX = "ts:"
+SLOTS = 16384  # Redis Cluster hash slots
 
-# A job's keys are JOB_PREFIX + job_id + one of the suffixes below.
-JOB_PREFIX = f"{PREFIX}job:{{"
-JOB_SUFFIX = "}"
-LOG_SUFFIX = "}:log"
-LIVE_SUFFIX = "}:live"
+# --- queue shards ---------------------------------------------------------------------------------------------
 
-INFLIGHT = f"{PREFIX}inflight"  # zset: job_id -> lease deadline (Redis server time, seconds)
-DEAD_LETTER = f"{PREFIX}dead"  # zset: job_id -> time it was given up on
-WORKERS = f"{PREFIX}workers"  # zset: worker_id -> last heartbeat (Redis server time)
-MODEL_CARDS = f"{PREFIX}models"  # hash: served model name -> ModelCard JSON
-# hash: the key layout and the settings the scripts need (result TTL, queue cap, ...), published by every API and
-# worker at start, so a script called by another backend needs nothing of the service's settings from its caller.
-CONFIG = f"{PREFIX}config"
+
+def crc16(text: str) -> int:
+    """CRC16-XMODEM of the UTF-8 text: the checksum Redis Cluster maps keys to slots with (``CRC16 mod 16384``)."""
+    return binascii.crc_hqx(text.encode(), 0)
+
+
+def shard_of(routing_key: str, num_shards: int) -> int:
+    """The queue shard of a job id (or of an idempotency scope or tenant): ``CRC16(routing_key) mod num_shards``."""
+    return crc16(routing_key) % num_shards
+
+
+def shard_tag(shard: int, num_shards: int) -> str:
+    """The hash tag of shard ``shard`` of ``num_shards``: ``"<shard>"``, else ``"<shard>.<n>"`` for the least n
+    whose slot lies in the middle half of the shard's equal part of the slot range (``"0"`` for one shard)."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard must be in [0, {num_shards}), got {shard}")
+    low, high = shard * SLOTS // num_shards, (shard + 1) * SLOTS // num_shards
+    margin = (high - low) // 4 if num_shards > 1 else 0
+    n = 0
+    while True:
+        tag = f"{shard}.{n}" if n else str(shard)
+        if low + margin <= crc16(tag) % SLOTS < high - margin:
+            return tag
+        n += 1
+
+
+SHARDS = f"{PREFIX}shards"  # string: the shard tags, comma-separated in shard order (written by API and workers)
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    """The shard-scoped keys of a deployment with ``num_shards`` queue shards (``Settings.queue_shards``).
+
+    A job's keys follow from its id alone (``shard_of``); a model's queue, the in-flight and dead-letter sets,
+    the config copy, idempotency keys, owner indexes and the job-event stream exist once per shard.
+    """
+
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_shards <= 1024:
+            raise ValueError(f"queue_shards must be in [1, 1024], got {self.num_shards}")
+
+    @cached_property
+    def tags(self) -> tuple[str, ...]:
+        """Each shard's hash tag, in shard order."""
+        return tuple(shard_tag(k, self.num_shards) for k in range(self.num_shards))
+
+    @property
+    def shards(self) -> range:
+        return range(self.num_shards)
+
+    def shard_of(self, routing_key: str) -> int:
+        return shard_of(routing_key, self.num_shards)
+
+    def _in(self, shard: int) -> str:
+        return f"{{{self.tags[shard]}}}"
+
+    # -- a job's keys (shard of its id) --
+    def job(self, job_id: str) -> str:
+        """Hash: the job record (status, submission JSON, result JSON, timestamps, fence, seq counter)."""
+        return f"{PREFIX}job:{self._in(self.shard_of(job_id))}:{job_id}"
+
+    def job_log(self, job_id: str) -> str:
+        """Stream: the job's replay log; entry id ``<seq>-0``, fields ``seq`` and ``data`` (event JSON)."""
+        return f"{self.job(job_id)}:log"
+
+    def job_live(self, job_id: str) -> str:
+        """Shard pub/sub channel (SPUBLISH): every event appended to the replay log is also published here."""
+        return f"{self.job(job_id)}:live"
+
+    # -- a model's queue in one shard --
+    def queue(self, model: str, shard: int) -> str:
+        """Sorted set: queued job ids of the model in the shard, score ``-priority * 2**32 + seq`` (lowest first)."""
+        return f"{PREFIX}queue:{self._in(shard)}:{model}"
+
+    def queue_seq(self, model: str, shard: int) -> str:
+        """Counter: the FIFO sequence number of the model's latest submission to the shard."""
+        return f"{self.queue(model, shard)}:seq"
+
+    def queue_wake(self, model: str, shard: int) -> str:
+        """Pub/sub channel (PUBLISH, cluster-wide): a job id each time one enters the model's queue in the
+        shard, so idle workers claim at once instead of at their next poll."""
+        return f"{self.queue(model, shard)}:wake"
+
+    def queue_tenants(self, model: str, shard: int) -> str:
+        """Sorted set: the tenants with queued jobs of the model in the shard, scored by fair-share weight."""
+        return f"{self.queue(model, shard)}:tenants"
+
+    def queue_vtime(self, model: str, shard: int) -> str:
+        """Hash: tenant -> virtual time (tokens served / weight, start-time fair queuing); field ``*`` is the
+        queue's virtual time (the start tag of the latest claim)."""
+        return f"{self.queue(model, shard)}:vtime"
+
+    def queue_tenant(self, model: str, tenant: str, shard: int) -> str:
+        """Sorted set: the tenant's queued job ids of the model in the shard, same scores as the queue."""
+        return f"{self.queue(model, shard)}:tenant:{tenant}"
+
+    def queue_deadlines(self, model: str, shard: int) -> str:
+        """Sorted set: queued job ids of the model that must start by a time (Redis server time, seconds)."""
+        return f"{self.queue(model, shard)}:deadlines"
+
+    def queue_rate(self, model: str, tenant: str, shard: int) -> str:
+        """Hash: the tenant's rate-limit state for the model (GCRA arrival times ``tat_r``/``tat_t``, unfinished
+        jobs ``jobs``); a tenant with limits has all its jobs in one shard (``placement``)."""
+        return f"{self.queue(model, shard)}:rate:{tenant}"
+
+    # -- per shard --
+    def inflight(self, shard: int) -> str:
+        """Sorted set: the shard's running job ids -> lease deadline (Redis server time, seconds)."""
+        return f"{PREFIX}inflight:{self._in(shard)}"
+
+    def dead_letter(self, shard: int) -> str:
+        """Sorted set: the shard's jobs given up on -> the time they were."""
+        return f"{PREFIX}dead:{self._in(shard)}"
+
+    def config(self, shard: int) -> str:
+        """Hash: the shard's key layout and the settings the scripts need (result TTL, queue cap, ...), stored by
+        every API and worker at start, so a script called by another backend needs nothing from its caller."""
+        return f"{PREFIX}config:{self._in(shard)}"
+
+    def idempotency(self, owner: str | None, key: str, shard: int) -> str:
+        """String: the job id submitted under ``key`` by ``owner`` (``-`` when there is no owner)."""
+        return f"{PREFIX}idem:{self._in(shard)}:{owner or '-'}:{key}"
+
+    def owner_jobs(self, owner: str | None, shard: int) -> str:
+        """Sorted set: the job ids of the shard an owner submitted (``-`` without owner), scored by creation time;
+        the newest ``OWNER_JOBS_KEEP``, expiring ``result_ttl_s`` after the owner's last submission there."""
+        return f"{PREFIX}owner:{self._in(shard)}:{owner or '-'}:jobs"
+
+    def job_events(self, shard: int) -> str:
+        """Stream: one entry (job_id, status) per terminal transition of the shard's jobs (webhooks read it)."""
+        return f"{PREFIX}events:jobs:{self._in(shard)}"
+
+    def worker_cancels(self, worker_id: str, shard: int) -> str:
+        """Set: ids of the worker's running jobs in the shard whose cancellation it has not finalised (durable)."""
+        return f"{PREFIX}cancels:{self._in(shard)}:{worker_id}"
+
+    # -- placement --
+    def placement(self, job_id: str, owner: str | None, idempotency_key: str | None, rate_limited: bool) -> int:
+        """The shard a submission must go to: its tenant's when the tenant has rate limits (its budget is one
+        key), else its idempotency scope's when it has a key (a retry finds the first job), else its id's."""
+        if rate_limited:
+            return self.shard_of(tenant_of(owner))
+        if idempotency_key is not None:
+            return self.shard_of(idempotency_scope(owner, idempotency_key))
+        return self.shard_of(job_id)
+
+    def fit_id(self, base: str, shard: int) -> str:
+        """``base`` if it belongs to ``shard``, else ``base-<n>`` for the least n that does: a job id in the shard
+        a submission must go to, deterministic for a given base (batch lines keep fixed ids)."""
+        if self.shard_of(base) == shard:
+            return base
+        n = 1
+        while self.shard_of(f"{base}-{n}") != shard:
+            n += 1
+        return f"{base}-{n}"
+
+    def job_id_for(self, owner: str | None, idempotency_key: str | None, rate_limited: bool,
+                   base: str | None = None) -> str:
+        """An id for a new job of ``owner`` in the shard its submission must go to (``placement``), so its keys
+        follow from the id alone. ``base``: a fixed id to start from (batch lines), kept when it fits (``fit_id``);
+        else a fresh random one (32 hex characters, 128 random bits, about ``num_shards`` draws)."""
+        if not rate_limited and idempotency_key is None:  # placed by its id: any id will do
+            return base or secrets.token_hex(16)
+        shard = self.placement("", owner, idempotency_key, rate_limited)
+        if base is not None:
+            return self.fit_id(base, shard)
+        while True:
+            job_id = secrets.token_hex(16)
+            if self.shard_of(job_id) == shard:
+                return job_id
+
+    def layout(self, shard: int) -> dict[str, str]:
+        """The shard's key prefixes and suffixes as the scripts derive keys from ids (``ctx``, ``ts:config:{...}``)."""
+        q = f"{PREFIX}queue:{self._in(shard)}:"
+        return {
+            "shard": str(shard), "num_shards": str(self.num_shards), "tag": self.tags[shard],
+            "job_prefix": f"{PREFIX}job:{self._in(shard)}:", "job_suffix": "", "log_suffix": ":log",
+            "live_suffix": ":live", "queue_prefix": q, "queue_suffix": "", "wake_suffix": ":wake",
+            "seq_suffix": ":seq", "tenants_suffix": ":tenants", "vtime_suffix": ":vtime", "tenant_suffix": ":tenant:",
+            "deadlines_suffix": ":deadlines", "idem_prefix": f"{PREFIX}idem:{self._in(shard)}:",
+            "cancels_prefix": f"{PREFIX}cancels:{self._in(shard)}:", "control_prefix": CONTROL_PREFIX,
+            "events_key": self.job_events(shard),
+        }
+
+
+# --- the worker fleet (register.lua touches all three: one tag) -----------------------------------------------
+FLEET = f"{PREFIX}{{fleet}}:"
+WORKERS = f"{FLEET}workers"  # zset: worker_id -> last heartbeat (Redis server time)
+MODEL_CARDS = f"{FLEET}models"  # hash: served model name -> ModelCard JSON
+CONTROL_PREFIX = f"{PREFIX}control:"
 
 # A dead-letter entry and a stale worker entry are pruned after this many seconds.
 DEAD_LETTER_KEEP_S = 7 * 86_400
@@ -36,51 +229,19 @@ WORKER_INFO_TTL_LEASES = 3
 # transition they get the job's result TTL.
 
 
-def job(job_id: str) -> str:
-    """Hash: the job record (status, submission JSON, result JSON, timestamps, fence, seq counter)."""
-    return f"{JOB_PREFIX}{job_id}{JOB_SUFFIX}"
+def worker_info(worker_id: str) -> str:
+    """String: the worker's latest WorkerInfo JSON, expiring when its heartbeats stop."""
+    return f"{FLEET}worker:{worker_id}"
 
 
-def job_log(job_id: str) -> str:
-    """Stream: the job's replay log; entry id ``<seq>-0``, fields ``seq`` and ``data`` (event JSON)."""
-    return f"{JOB_PREFIX}{job_id}{LOG_SUFFIX}"
-
-
-def job_live(job_id: str) -> str:
-    """Pub/sub channel: every event appended to the replay log is also published here, same JSON."""
-    return f"{JOB_PREFIX}{job_id}{LIVE_SUFFIX}"
-
-
-QUEUE_PREFIX = f"{PREFIX}queue:{{"
-QUEUE_SUFFIX = "}"
-QUEUE_SEQ_SUFFIX = "}:seq"
-QUEUE_WAKE_SUFFIX = "}:wake"
-
-
-def queue(model: str) -> str:
-    """Sorted set: queued job ids of one model, score ``-priority * 2**32 + seq`` (lowest first)."""
-    return f"{QUEUE_PREFIX}{model}{QUEUE_SUFFIX}"
-
-
-def queue_seq(model: str) -> str:
-    """Counter: the FIFO sequence number of the model's latest submission."""
-    return f"{QUEUE_PREFIX}{model}{QUEUE_SEQ_SUFFIX}"
-
-
-def queue_wake(model: str) -> str:
-    """Pub/sub channel: a job id each time one enters the model's queue (submitted or requeued), so idle
-    workers claim at once instead of at their next poll."""
-    return f"{QUEUE_PREFIX}{model}{QUEUE_WAKE_SUFFIX}"
+def control(worker_id: str) -> str:
+    """Pub/sub channel (PUBLISH, cluster-wide): job ids the worker must abort now (the fast path beside its
+    durable cancel sets ``Keyspace.worker_cancels``)."""
+    return f"{CONTROL_PREFIX}{worker_id}"
 
 
 # Fair share, deadlines and rate limits (docs/protocol.md, "Tenants"). A tenant is a job's owner (the hash of its
-# API key), or ``-`` for jobs without one. Every key below carries the model's hash tag, so one model's queue,
-# its tenants, deadlines and rate budgets map to one Cluster slot.
-QUEUE_TENANTS_SUFFIX = "}:tenants"
-QUEUE_VTIME_SUFFIX = "}:vtime"
-QUEUE_TENANT_SUFFIX = "}:tenant:"
-QUEUE_DEADLINES_SUFFIX = "}:deadlines"
-QUEUE_RATE_SUFFIX = "}:rate:"
+# API key), or ``-`` for jobs without one.
 NO_OWNER_TENANT = "-"
 
 
@@ -89,72 +250,13 @@ def tenant_of(owner: str | None) -> str:
     return owner or NO_OWNER_TENANT
 
 
-def queue_tenants(model: str) -> str:
-    """Sorted set: the tenants with queued jobs of the model, scored by their fair-share weight."""
-    return f"{QUEUE_PREFIX}{model}{QUEUE_TENANTS_SUFFIX}"
+def idempotency_scope(owner: str | None, key: str) -> str:
+    """What an idempotency key is unique within (and routed by): ``<owner or ->:<key>``."""
+    return f"{owner or '-'}:{key}"
 
 
-def queue_vtime(model: str) -> str:
-    """Hash: tenant -> virtual time (tokens served / weight, start-time fair queuing); field ``*`` is the
-    queue's virtual time (the start tag of the latest claim)."""
-    return f"{QUEUE_PREFIX}{model}{QUEUE_VTIME_SUFFIX}"
-
-
-def queue_tenant(model: str, tenant: str) -> str:
-    """Sorted set: the tenant's queued job ids of the model, same scores as in ``queue(model)``."""
-    return f"{QUEUE_PREFIX}{model}{QUEUE_TENANT_SUFFIX}{tenant}"
-
-
-def queue_deadlines(model: str) -> str:
-    """Sorted set: queued job ids of the model that must start by a time (Redis server time, seconds)."""
-    return f"{QUEUE_PREFIX}{model}{QUEUE_DEADLINES_SUFFIX}"
-
-
-def queue_rate(model: str, tenant: str) -> str:
-    """Hash: the tenant's rate-limit state for the model (GCRA arrival times ``tat_r``/``tat_t``, unfinished
-    jobs ``jobs``)."""
-    return f"{QUEUE_PREFIX}{model}{QUEUE_RATE_SUFFIX}{tenant}"
-
-
-IDEMPOTENCY_PREFIX = f"{PREFIX}idem:"
-
-
-def idempotency(owner: str | None, key: str) -> str:
-    """String: the job id submitted under ``key`` by ``owner`` (``-`` when there is no owner)."""
-    return f"{IDEMPOTENCY_PREFIX}{owner or '-'}:{key}"
-
-
-WORKER_PREFIX = f"{PREFIX}worker:"
-WORKER_CANCELS_SUFFIX = ":cancels"
-CONTROL_PREFIX = f"{PREFIX}control:"
-
-
-def worker_info(worker_id: str) -> str:
-    """String: the worker's latest WorkerInfo JSON, expiring when its heartbeats stop."""
-    return f"{WORKER_PREFIX}{worker_id}"
-
-
-def worker_cancels(worker_id: str) -> str:
-    """Set: ids of the worker's running jobs whose cancellation it has not finalised yet (durable)."""
-    return f"{WORKER_PREFIX}{worker_id}{WORKER_CANCELS_SUFFIX}"
-
-
-def control(worker_id: str) -> str:
-    """Pub/sub channel: job ids the worker must abort now (the fast path beside ``worker_cancels``)."""
-    return f"{CONTROL_PREFIX}{worker_id}"
-
-
-OWNER_PREFIX = f"{PREFIX}owner:"
-OWNER_JOBS_SUFFIX = ":jobs"
 # An owner's recent-jobs index keeps its newest entries only (older ones are trimmed at each submission).
 OWNER_JOBS_KEEP = 500
-
-
-def owner_jobs(owner: str | None) -> str:
-    """Sorted set: the job ids an owner submitted (``-`` when there is no owner), scored by creation time; the
-    newest ``OWNER_JOBS_KEEP``, expiring ``result_ttl_s`` after the owner's last submission. The console's job
-    list reads it; an entry whose job expired is skipped when read."""
-    return f"{OWNER_PREFIX}{owner or '-'}{OWNER_JOBS_SUFFIX}"
 
 
 # --- files and batches (the OpenAI Files and Batch APIs, api/files.py, api/batches/) -------------------------
@@ -206,12 +308,12 @@ def batch_job_id(batch_id: str, index: int) -> str:
 
 
 # --- webhooks (api/webhooks/) ---------------------------------------------------------------------------------
-JOB_EVENTS = f"{PREFIX}events:jobs"  # stream: one entry (job_id, status) per terminal transition (lib.lua finish)
-JOB_EVENTS_MAXLEN = 100_000
+JOB_EVENTS_MAXLEN = 100_000  # entries kept per shard's job-event stream (Keyspace.job_events)
 JOB_EVENTS_GROUP = "webhooks"  # the consumer group of the API replicas turning job events into deliveries
-WEBHOOK_PREFIX = f"{PREFIX}webhook:"
-WEBHOOKS_DUE = f"{PREFIX}webhooks:due"  # zset: message id -> time of its next attempt (Redis time)
-WEBHOOKS_DEAD = f"{PREFIX}webhooks:dead"  # zset: message id -> time it was given up on
+# One tag: webhook_enqueue.lua and the delivery transactions touch a delivery and the due/dead sets together.
+WEBHOOK_PREFIX = f"{PREFIX}{{webhooks}}:webhook:"
+WEBHOOKS_DUE = f"{PREFIX}{{webhooks}}:due"  # zset: message id -> time of its next attempt (Redis time)
+WEBHOOKS_DEAD = f"{PREFIX}{{webhooks}}:dead"  # zset: message id -> time it was given up on
 
 
 def webhook(message_id: str) -> str:

@@ -1,4 +1,4 @@
-"""Live event channels of many jobs over one pub/sub connection per process.
+"""Live event channels of many jobs over one pub/sub connection per process (per node on a Redis Cluster).
 
 Every open stream of a job needs that job's live channel. One connection per stream would cost a Redis connection
 (and a file descriptor on both sides) per SSE client: 10,000 streams, 10,000 connections. Here one listener task
@@ -9,6 +9,9 @@ Pub/sub stays a fast path only: a reader whose buffer is full loses live message
 job's log), and after a reconnect every reader gets ``RESYNC`` once its channel is subscribed again, so it
 re-reads the log. A subscription is confirmed by Redis before ``subscribe`` returns, so a reader that replays the
 log afterwards cannot miss an event published in between.
+
+The channels are shard channels (SPUBLISH / SSUBSCRIBE): on a Redis Cluster a message stays on the nodes of its
+channel's slot instead of being broadcast to every node; on a single node they behave as plain channels.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Final
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import ClusterPubSub
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.pubsub import SUBSCRIBE_TIMEOUT_S, TRANSIENT_ERRORS, as_text, close_quietly
@@ -103,7 +107,7 @@ class LiveChannels:
             state = self._channels[channel] = _Channel()
             try:
                 async with self._send:
-                    await self._connection().subscribe(channel)
+                    await self._connection().ssubscribe(channel)
             except BaseException:
                 self._forget(channel, state)
                 raise
@@ -114,7 +118,7 @@ class LiveChannels:
                 await state.confirmed.wait()
         except TimeoutError:
             await self.release(reader)
-            raise RedisTimeoutError(f"no confirmation of SUBSCRIBE {channel} within {SUBSCRIBE_TIMEOUT_S} s") from None
+            raise RedisTimeoutError(f"no confirmation of SSUBSCRIBE {channel} within {SUBSCRIBE_TIMEOUT_S} s") from None
         except BaseException:
             await self.release(reader)
             raise
@@ -132,7 +136,7 @@ class LiveChannels:
         async with self._send:
             if self._pubsub is not None and reader.channel not in self._channels:
                 with suppress(*TRANSIENT_ERRORS):
-                    await self._pubsub.unsubscribe(reader.channel)
+                    await self._pubsub.sunsubscribe(reader.channel)
 
     def _forget(self, channel: str, state: _Channel) -> None:
         if self._channels.get(channel) is state and not state.readers:
@@ -160,7 +164,7 @@ class LiveChannels:
                 try:
                     await self._wanted.wait()
                     assert self._pubsub is not None
-                    message = await self._pubsub.get_message(timeout=self._idle_s)
+                    message = await self._next_message(self._pubsub)
                     if message is not None:
                         self._dispatch(message)
                 except TRANSIENT_ERRORS as exc:
@@ -183,21 +187,33 @@ class LiveChannels:
         while self._channels:
             try:
                 async with self._send:
-                    await self._pubsub.subscribe(*self._channels)
+                    await self._pubsub.ssubscribe(*self._channels)
                 self._wanted.set()
                 return
             except TRANSIENT_ERRORS:
                 await asyncio.sleep(self._idle_s / 4)
+
+    async def _next_message(self, pubsub: PubSub) -> dict[str, Any] | None:
+        """The next message or confirmation, from whichever node has one (a cluster's shard channels live on the
+        nodes of their slots: one connection per node, read through ``get_sharded_message``)."""
+        if isinstance(pubsub, ClusterPubSub):
+            if not pubsub.node_pubsub_mapping:  # nothing subscribed yet on any node
+                await asyncio.sleep(min(0.05, self._idle_s))
+                return None
+            message: dict[str, Any] | None = await pubsub.get_sharded_message(timeout=self._idle_s)
+        else:
+            message = await pubsub.get_message(timeout=self._idle_s)
+        return message
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         state = self._channels.get(as_text(message["channel"]))
         if state is None:
             return
         kind = as_text(message["type"])
-        if kind == "message":
+        if kind == "smessage":
             for reader in state.readers:
                 reader.deliver(message["data"])
-        elif kind == "subscribe":
+        elif kind == "ssubscribe":
             state.confirmed.set()
             if state.resync:
                 state.resync = False

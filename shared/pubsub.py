@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -26,15 +26,18 @@ SUBSCRIBE_TIMEOUT_S = 10.0
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
-async def subscribe_confirmed(pubsub: PubSub, channel: str) -> None:
-    """Subscribe and wait for Redis to confirm, so nothing published afterwards can be missed."""
-    await pubsub.subscribe(channel)
+async def subscribe_confirmed(pubsub: PubSub, channels: Sequence[str]) -> None:
+    """Subscribe and wait for Redis to confirm each channel, so nothing published afterwards can be missed."""
+    await pubsub.subscribe(*channels)
+    pending = set(channels)
     deadline = asyncio.get_running_loop().time() + SUBSCRIBE_TIMEOUT_S
-    while asyncio.get_running_loop().time() < deadline:
+    while pending and asyncio.get_running_loop().time() < deadline:
         msg = await pubsub.get_message(timeout=1.0)
-        if msg is not None and msg["type"] in ("subscribe", b"subscribe"):
-            return
-    raise RedisTimeoutError(f"no confirmation of SUBSCRIBE {channel} within {SUBSCRIBE_TIMEOUT_S} s")
+        if msg is not None and as_text(msg["type"]) == "subscribe":
+            pending.discard(as_text(msg["channel"]))
+    if pending:
+        raise RedisTimeoutError(f"no confirmation of SUBSCRIBE {', '.join(sorted(pending))} within "
+                                f"{SUBSCRIBE_TIMEOUT_S} s")
 
 
 async def close_quietly(pubsub: PubSub) -> None:
@@ -45,17 +48,18 @@ async def close_quietly(pubsub: PubSub) -> None:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
-async def listen(redis: Redis, channel: str, resync: Callable[[], Awaitable[list[str]]], name: str,
+async def listen(redis: Redis, channels: Sequence[str], resync: Callable[[], Awaitable[list[str]]], name: str,
                  poll_s: float) -> AsyncGenerator[str, None]:
-    """Messages of a pub/sub channel (decoded), surviving Redis restarts: after each (re)subscription and each
-    quiet ``poll_s`` the items of ``resync`` (what messages may have been missed) come too."""
+    """Messages of pub/sub channels (decoded), surviving Redis restarts: after each (re)subscription and each
+    quiet ``poll_s`` the items of ``resync`` (what messages may have been missed) come too. Plain (not shard)
+    channels: on a Redis Cluster a PUBLISH reaches subscribers on every node."""
     pubsub: PubSub | None = None
     try:
         while True:
             try:
                 if pubsub is None:
                     pubsub = redis.pubsub()
-                    await subscribe_confirmed(pubsub, channel)
+                    await subscribe_confirmed(pubsub, channels)
                     for item in await resync():
                         yield item
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)

@@ -25,6 +25,7 @@ from redis.exceptions import LockError
 from api.batches.models import OutputLine
 from api.batches.output import job_output, stopped_output
 from api.batches.store import BatchState, BatchStore
+from api.batches.validation import line_job_id
 from api.files import FileStore
 from api.metrics import ApiMetrics
 from shared import keys
@@ -133,7 +134,7 @@ class BatchRunner:
         recorded = await self._store.result_indices(state.batch.id)
         for index in range(state.submitted):
             if index not in recorded:
-                await self._queue.cancel(keys.batch_job_id(state.batch.id, index))
+                await self._queue.cancel(line_job_id(self._queue, state.batch.id, state.owner, index))
         for index in range(state.submitted, state.total):
             if index not in recorded:
                 line = await self._store.line(state.batch.id, index)
@@ -146,16 +147,16 @@ class BatchRunner:
         pending = [i for i in range(state.submitted) if i not in recorded]
         if not pending:
             return
-        job_ids = [keys.batch_job_id(state.batch.id, i) for i in pending]
+        job_ids = [line_job_id(self._queue, state.batch.id, state.owner, i) for i in pending]
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hget(keys.job(job_id), "status")
+                pipe.hget(self._queue.keyspace.job(job_id), "status")
             statuses = await pipe.execute()
         for index, job_id, raw in zip(pending, job_ids, statuses, strict=True):
             if raw is None:
                 await self._lost(state, index)
             elif JobStatus(as_text(raw)).is_terminal:
-                raw_fields = await self._redis.hgetall(keys.job(job_id))
+                raw_fields = await self._redis.hgetall(self._queue.keyspace.job(job_id))
                 job = record_from_fields({as_text(k): as_text(v) for k, v in raw_fields.items()})
                 line = await self._store.line(state.batch.id, index)
                 outcome, output = job_output(line, state.batch.endpoint, job, state.stop)

@@ -1,6 +1,7 @@
 """A batch's state in Redis (docs/protocol.md, "Batches"): created, read, listed, stopped, its lines' results
 recorded once each, and finished. Conditional transitions are Lua scripts (``batch_result``, ``batch_stop``);
-unconditional multi-key writes are MULTI transactions."""
+unconditional writes to a batch's own keys (one hash slot) are MULTI transactions; the indexes (active set,
+owner's list) are written after them, in another slot on a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -82,15 +83,17 @@ class BatchStore:
         fields.update({name: value for name in _TIMESTAMPS if (value := getattr(batch, name)) is not None})
         if batch.errors is not None:
             fields["errors"] = batch.errors.model_dump_json()
+        # The batch's own keys in one transaction (one slot), then the indexes (other slots on a Redis Cluster).
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(keys.batch(batch.id), mapping=fields)
             if lines:
                 pipe.rpush(keys.batch_lines(batch.id), *(line.model_dump_json() for line in lines))
-                pipe.zadd(keys.BATCHES_ACTIVE, {batch.id: time.time()})
             else:
                 pipe.expire(keys.batch(batch.id), self._retention_s)
-            pipe.zadd(keys.batches_of(owner), {batch.id: time.time()})  # sub-second: a page's order is exact
             await pipe.execute()
+        if lines:
+            await self._redis.zadd(keys.BATCHES_ACTIVE, {batch.id: time.time()})
+        await self._redis.zadd(keys.batches_of(owner), {batch.id: time.time()})  # sub-second: a page's order is exact
 
     async def state(self, batch_id: str) -> BatchState | None:
         raw = await self._redis.hgetall(keys.batch(batch_id))
@@ -159,10 +162,10 @@ class BatchStore:
             pipe.hset(keys.batch(batch_id), mapping={"status": status, time_field: now,
                                                       "output_file_id": output_file_id or "",
                                                       "error_file_id": error_file_id or ""})
-            pipe.zrem(keys.BATCHES_ACTIVE, batch_id)
             pipe.expire(keys.batch(batch_id), self._retention_s)
             pipe.delete(keys.batch_lines(batch_id), keys.batch_results(batch_id))
             await pipe.execute()
+        await self._redis.zrem(keys.BATCHES_ACTIVE, batch_id)  # another slot on a cluster: after the batch ended
 
     async def active_ids(self) -> list[str]:
         return [as_text(x) for x in await self._redis.zrange(keys.BATCHES_ACTIVE, 0, -1)]

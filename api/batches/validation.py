@@ -16,6 +16,7 @@ from api.routes.openai import chat_submission, completion_submissions
 from api.tokenization import ModelCatalog
 from shared import keys
 from shared.config import Settings
+from shared.queue.client import ClientSide
 
 MAX_ERRORS = 100  # errors reported per batch; validation stops there
 
@@ -37,6 +38,13 @@ class LineContext:
     owner: str | None
     settings: Settings
     catalog: ModelCatalog
+    queue: ClientSide
+
+
+def line_job_id(queue: ClientSide, batch_id: str, owner: str | None, index: int) -> str:
+    """The job id of line ``index`` of a batch: fixed by the line (submitting a line twice finds the job), and in
+    the queue shard the owner's jobs go to (``ClientSide.job_id_for``)."""
+    return queue.job_id_for(owner, base=keys.batch_job_id(batch_id, index))
 
 
 async def validate_file(content: bytes, ctx: LineContext) -> Validated:
@@ -82,7 +90,7 @@ async def _prepare_line(raw: str, index: int, seen: set[str], ctx: LineContext) 
         raise APIError(400, f"custom_id {line.custom_id!r} is used by an earlier line", param="custom_id",
                        code="duplicate_custom_id")
     seen.add(line.custom_id)
-    job_id = keys.batch_job_id(ctx.batch_id, index)
+    job_id = line_job_id(ctx.queue, ctx.batch_id, ctx.owner, index)
     priority = ctx.settings.batch_priority
     try:
         if ctx.endpoint == "/v1/chat/completions":

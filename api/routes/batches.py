@@ -51,7 +51,8 @@ async def create_batch(body: BatchCreate, store: BatchStoreDep, resources: Resou
     now = int(time.time())
     common = {"id": batch_id, "endpoint": body.endpoint, "input_file_id": body.input_file_id,
               "completion_window": body.completion_window, "created_at": now, "metadata": body.metadata}
-    validated = await validate_file(content, LineContext(batch_id, body.endpoint, owner, settings, catalog))
+    validated = await validate_file(content, LineContext(batch_id, body.endpoint, owner, settings, catalog,
+                                                             resources.queue))
     if validated.errors:
         batch = Batch(**common, status="failed", failed_at=now, errors=BatchErrors(data=validated.errors))
         await store.create(batch, owner, [], body.webhook_url)

@@ -1,8 +1,8 @@
 """``GET /v1/jobs``: the caller's recent jobs, newest first, for the console's job list.
 
-Read from the caller's recent-jobs index (``shared.keys.owner_jobs``), so one key never sees another key's jobs;
-with auth off, the jobs submitted without a key. Each entry is the job's record without its choices (the text is
-cut to a preview); ``GET /v1/jobs/{id}`` has the rest.
+Read from the caller's recent-jobs indexes (``Keyspace.owner_jobs``, one per queue shard), so one key never sees
+another key's jobs; with auth off, the jobs submitted without a key. Each entry is the job's record without its
+choices (the text is cut to a preview); ``GET /v1/jobs/{id}`` has the rest.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ async def _prepare(settings: Settings, model: ServedModel, options: _JobOptions,
     num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                             messages=messages)
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages" if messages else "prompt")
-    return build_submission(job_id=new_job_id(), model=model, params=params, owner=owner, n=options.n,
+    return build_submission(job_id=new_job_id(settings, owner, idempotency_key), model=model, params=params,
+                            owner=owner, n=options.n,
                             priority=options.priority, background=options.background, prompt=prompt,
                             prompt_token_ids=prompt_token_ids, messages=messages, idempotency_key=idempotency_key,
                             **deadlines(settings, options.queue_timeout_s, options.timeout_s))

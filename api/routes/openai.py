@@ -141,7 +141,7 @@ async def completion_submissions(body: CompletionRequest, settings: Settings, ca
         num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
         check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
         submissions.append(build_submission(
-            job_id=job_id or new_job_id(), model=model, params=params, owner=owner, n=body.n,
+            job_id=job_id or new_job_id(settings, owner), model=model, params=params, owner=owner, n=body.n,
             priority=body.priority if priority is None else priority,
             background=body.background if background is None else background, prompt=prompt,
             prompt_token_ids=prompt_token_ids, **deadlines(settings, body.queue_timeout_s, body.timeout_s)))
@@ -167,7 +167,8 @@ async def chat_submission(body: ChatCompletionRequest, settings: Settings, catal
     params = params.model_copy(update={"grammar": _chat_grammar(body, tool_plan)})
     check_beam_search(settings, params, param="n")
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages")
-    submission = build_submission(job_id=job_id or new_job_id(), model=model, params=params, owner=owner, n=body.n,
+    submission = build_submission(job_id=job_id or new_job_id(settings, owner), model=model, params=params,
+                                  owner=owner, n=body.n,
                                   priority=body.priority if priority is None else priority,
                                   background=body.background if background is None else background,
                                   messages=messages, tools=tools,

@@ -137,7 +137,7 @@ async def create_response(body: ResponsesRequest, request: Request, settings: Se
                            "temperature": body.temperature, "top_p": body.top_p})
     params = params.model_copy(update={"grammar": grammar_of(text_format, {})})
     check_length(model, num_prompt_tokens, params.max_tokens, param="input")
-    job_id = new_job_id()
+    job_id = new_job_id(settings, owner)
     submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=1, priority=0,
                                   background=False, messages=messages)
     created = int(time.time())

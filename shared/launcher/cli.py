@@ -23,8 +23,8 @@ from pydantic import ValidationError
 
 from shared.config import Settings
 
-_QUEUE = ("redis_url", "max_queue_length", "result_ttl_s", "lease_ttl_s", "heartbeat_interval_s", "max_attempts",
-          "stream_maxlen")
+_QUEUE = ("redis_url", "queue_shards", "max_queue_length", "result_ttl_s", "lease_ttl_s", "heartbeat_interval_s",
+          "max_attempts", "stream_maxlen")
 _API = ("host", "port", "api_keys", "max_body_bytes", "max_tokens_cap", "max_n", "max_batch_size",
         "max_header_bytes", "header_timeout_s", "tokenize_threads", "redis_max_connections")
 _TENANTS = ("queue_timeout_s", "job_timeout_s", "rate_limit_rpm", "rate_limit_tpm", "rate_limit_jobs",

@@ -1,6 +1,7 @@
 -- cancel: a queued job is removed and finalised now; a running job gets the durable cancel flag, is added to
 -- its worker's cancel set and announced on the worker's control channel (the worker aborts and completes it).
--- KEYS[1] job record, KEYS[2] in-flight set, KEYS[3] config hash (ts:config); ARGV[1] job id.
+-- KEYS[1] job record ts:job:{<tag>}:<id>, KEYS[2] its shard's in-flight set ts:inflight:{<tag>}, KEYS[3] its
+-- shard's config hash ts:config:{<tag>}; ARGV[1] job id.
 -- Needs nothing of the service's settings from its caller: another backend EVALs lib.lua + this file.
 -- Returns the record (HGETALL list), empty when the job does not exist.
 local ctx = load_config(KEYS[3])

@@ -1,7 +1,10 @@
 -- claim: hand up to ARGV[3] queued jobs of a model to a worker, moving them to the in-flight set.
--- KEYS[1] model queue, KEYS[2] in-flight set, KEYS[3] the model's tenants, KEYS[4] the model's virtual times,
--- KEYS[5] the model's deadlines; ARGV[1] ctx JSON, ARGV[2] worker id, ARGV[3] max jobs,
--- ARGV[4] '1' when the worker holds no job at all (idle), else '0'.
+-- One queue shard per call: KEYS[1] the model's queue in the shard, KEYS[2] the shard's in-flight set, KEYS[3] the
+-- model's tenants, KEYS[4] the model's virtual times, KEYS[5] the model's deadlines (all in the shard);
+-- ARGV[1] the shard's ctx JSON, ARGV[2] worker id, ARGV[3] max jobs,
+-- ARGV[4] '1' when the worker holds no job at all (idle), else '0',
+-- ARGV[5] (optional, '' for none) the lowest priority to hand out: the claim stops at a job of lower priority
+-- (the worker saw a job of that priority at the head of another shard, and takes it from there first).
 -- First, queued jobs whose start-by time passed are expired (lib.lua `expire_overdue`), never handed out.
 -- Order: the best priority first; within it, fair share between tenants (start-time fair queuing by tokens):
 -- the tenant with the least virtual time (its tokens charged / its weight, never behind the queue's virtual
@@ -105,9 +108,10 @@ local function charge(jk, tenant, weight, start)
 end
 
 local idle = ARGV[4] == '1'
+local lowest = tonumber(ARGV[5] or '')
 for _ = 1, tonumber(ARGV[3]) do
   local pick = next_in_line()
-  if not pick then break end
+  if not pick or (lowest and -band(pick[2]) < lowest) then break end
   local id, score, tenant = pick[1], pick[2], pick[3]
   local jk = job_key(ctx, id)
   -- pcall: a key of another type where the record belongs is an error reply, not a queued job.

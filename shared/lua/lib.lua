@@ -1,7 +1,8 @@
 -- Helpers shared by the transition scripts. shared/scripts.py prepends this file to every script except
 -- submit.lua (which stays self-contained so other backends can EVAL it as shipped).
--- `ctx` is the key layout from shared/keys.py plus settings (shared/queue/base.py script_config): the JSON object
--- our workers pass as ARGV[1], or, for the scripts other backends call (cancel), the ts:config hash.
+-- `ctx` is one queue shard's key layout from shared/keys.py (`Keyspace.layout`) plus settings (shared/queue/base.py
+-- script_config): the JSON object our workers pass as ARGV[1], or, for the scripts other backends call (cancel),
+-- the shard's config hash ts:config:{<tag>}. Every key a script touches is in that shard's hash slot.
 
 -- Redis server time in seconds: one clock for every lease and timestamp, whatever the clients' clocks say.
 local function now()
@@ -32,7 +33,7 @@ local function log_key(ctx, id) return ctx.job_prefix .. id .. ctx.log_suffix en
 local function live_channel(ctx, id) return ctx.job_prefix .. id .. ctx.live_suffix end
 local function queue_key(ctx, model) return ctx.queue_prefix .. model .. ctx.queue_suffix end
 local function wake_channel(ctx, model) return ctx.queue_prefix .. model .. ctx.wake_suffix end
-local function cancels_key(ctx, wid) return ctx.worker_prefix .. wid .. ctx.cancels_suffix end
+local function cancels_key(ctx, wid) return ctx.cancels_prefix .. wid end
 local function tenants_key(ctx, model) return ctx.queue_prefix .. model .. ctx.tenants_suffix end
 local function vtime_key(ctx, model) return ctx.queue_prefix .. model .. ctx.vtime_suffix end
 local function tenant_queue_key(ctx, model, tenant) return ctx.queue_prefix .. model .. ctx.tenant_suffix .. tenant end
@@ -97,7 +98,8 @@ end
 local function append_event(ctx, id, seq, body)
   local data = '{"seq":' .. seq .. ',' .. string.sub(body, 2)
   redis.call('XADD', log_key(ctx, id), 'MAXLEN', '~', ctx.stream_maxlen, seq .. '-0', 'seq', seq, 'data', data)
-  redis.call('PUBLISH', live_channel(ctx, id), data)
+  -- A shard channel: on a cluster it stays on the node of the job's slot (SSUBSCRIBE), on one node it is plain.
+  redis.call('SPUBLISH', live_channel(ctx, id), data)
 end
 
 -- Append one event to the job's replay log and channel, numbered by the job's seq counter, so seq grows

@@ -1,8 +1,8 @@
 -- reap: recover jobs whose lease expired (their worker died or lost Redis for longer than the lease):
 -- requeue (the attempt charged if the job ran alone, else isolated: lib.lua `crashed`), or fail + dead-letter
 -- after max_attempts, or finalise a cancelled one.
--- Also prunes old dead-letter entries and workers whose heartbeats stopped long ago.
--- KEYS[1] in-flight set, KEYS[2] dead-letter set, KEYS[3] workers set; ARGV[1] ctx JSON, ARGV[2] limit.
+-- Also prunes old dead-letter entries. One queue shard per call.
+-- KEYS[1] the shard's in-flight set, KEYS[2] its dead-letter set; ARGV[1] the shard's ctx JSON, ARGV[2] limit.
 -- Returns {recovered, {id, model, worker id, new status}, ...}: `recovered` counts the expired entries looked
 -- at (stale ones included), so the caller knows whether to call again; then one entry per job recovered,
 -- its new status `queued`, `failed` (dead-lettered) or `cancelled`.
@@ -20,5 +20,4 @@ for _, id in ipairs(expired) do
   end
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', fmt(t - ctx.dead_keep_s))
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', fmt(t - ctx.dead_keep_s))
 return reply

@@ -1,18 +1,22 @@
 -- submit: enqueue one job (self-contained: any backend may EVAL this file as shipped; see docs/protocol.md).
--- KEYS[1] job record    ts:job:{<id>}
--- KEYS[2] model queue   ts:queue:{<model>}
--- KEYS[3] queue counter ts:queue:{<model>}:seq
--- KEYS[4] config        ts:config (the key layout, the queue cap and the result TTL, stored by the service)
--- KEYS[5] idempotency key ts:idem:<owner or ->:<idempotency_key> exactly when the submission has an
+-- Every key is in the job's queue shard, hash tag {<tag>} (ts:shards lists the tags; docs/protocol.md "Shards").
+-- KEYS[1] job record    ts:job:{<tag>}:<id>
+-- KEYS[2] model queue   ts:queue:{<tag>}:<model>
+-- KEYS[3] queue counter ts:queue:{<tag>}:<model>:seq
+-- KEYS[4] config        ts:config:{<tag>} (the shard's key layout, the queue cap and the result TTL, stored by the
+--         service)
+-- KEYS[5] idempotency key ts:idem:{<tag>}:<owner or ->:<idempotency_key> exactly when the submission has an
 --         idempotency_key; absent or '' otherwise
--- KEYS[6..8] (optional, together) the tenant's sub-queue ts:queue:{<model>}:tenant:<owner or ->, the model's
---         tenants ts:queue:{<model>}:tenants and deadlines ts:queue:{<model>}:deadlines (fair share and queue
---         timeouts; a job submitted without them joins them when it reaches the head of the queue)
--- KEYS[9] (optional, '' for none) the owner's recent-jobs index ts:owner:<owner or ->:jobs: the job joins it
+-- KEYS[6..8] (optional, together) the tenant's sub-queue ts:queue:{<tag>}:<model>:tenant:<owner or ->, the
+--         model's tenants ts:queue:{<tag>}:<model>:tenants and deadlines ts:queue:{<tag>}:<model>:deadlines (fair
+--         share and queue timeouts; a job submitted without them joins them when it reaches the head of the queue)
+-- KEYS[9] (optional, '' for none) the owner's recent-jobs index ts:owner:{<tag>}:<owner or ->:jobs: the job joins it
 --         (scored by created_at); it keeps the config's owner_jobs_keep newest and expires result_ttl_s later
--- KEYS[10] (optional) the tenant's rate budget ts:queue:{<model>}:rate:<owner or ->
+-- KEYS[10] (optional) the tenant's rate budget ts:queue:{<tag>}:<model>:rate:<owner or ->
 -- ARGV[1] JobSubmission JSON (shared/schemas.py); ARGV[2] (optional) the tenant's fair-share weight (default 1);
 -- ARGV[3] (optional, with KEYS[10]) the tenant's limits {"rpm": n, "tpm": n, "jobs": n} (0 or absent = none).
+-- The shard: the job id must map to it (CRC16(id) mod the number of shards); so must the tenant when KEYS[10] is
+-- given (a tenant's rate budget is one key), else the idempotency scope "<owner or ->:<key>" when there is one.
 -- Nothing of the service's settings: the queue cap and the wake channel come from the config.
 -- Returns {'created'|'existing', <record as HGETALL list>, <rate>}, {'full', <queue length>} or
 -- {'limited', <requests|tokens|jobs>, <retry after s>, <rate>}; <rate> is {} without KEYS[10], else
@@ -55,6 +59,25 @@ end
 local owner = sub.owner
 if type(owner) ~= 'string' then owner = '' end
 
+-- CRC16-XMODEM, the checksum Redis Cluster maps keys to slots with: CRC16(x) mod num_shards is x's shard.
+local function crc16(s)
+  local crc = 0
+  for i = 1, #s do
+    crc = bit.bxor(crc, bit.lshift(string.byte(s, i), 8))
+    for _ = 1, 8 do
+      if bit.band(crc, 0x8000) ~= 0 then crc = bit.bxor(bit.lshift(crc, 1), 0x1021) else crc = bit.lshift(crc, 1) end
+      crc = bit.band(crc, 0xFFFF)
+    end
+  end
+  return crc
+end
+local num_shards, shard = tonumber(c.num_shards) or 1, tonumber(c.shard) or 0
+local function check_shard(what, routing_key)
+  if crc16(routing_key) % num_shards ~= shard then
+    return redis.error_reply('ERR ' .. what .. ' ' .. routing_key .. ' maps to shard ' .. (crc16(routing_key) % num_shards)
+      .. ', not to shard ' .. shard .. ' of these keys (CRC16 mod ' .. num_shards .. '; docs/protocol.md "Shards")')
+  end
+end
 local function job_key(id) return c.job_prefix .. id .. c.job_suffix end
 local expected = {job_key(sub.id), c.queue_prefix .. sub.model .. c.queue_suffix,
                   c.queue_prefix .. sub.model .. c.seq_suffix}
@@ -64,8 +87,13 @@ for i = 1, 3 do
   end
 end
 local idem_key = sub.idempotency_key
+local tenant = owner ~= '' and owner or '-'
+local wrong = check_shard('job id', sub.id)
+if not wrong and given(10) then wrong = check_shard('tenant (it has rate limits)', tenant)
+elseif not wrong and type(idem_key) == 'string' then wrong = check_shard('idempotency scope', tenant .. ':' .. idem_key) end
+if wrong then return wrong end
 if type(idem_key) == 'string' then
-  local want = c.idem_prefix .. (owner ~= '' and owner or '-') .. ':' .. idem_key
+  local want = c.idem_prefix .. tenant .. ':' .. idem_key
   if KEYS[5] ~= want then return redis.error_reply('ERR KEYS[5] must be ' .. want) end
   local existing = redis.call('GET', KEYS[5])
   if existing and redis.call('EXISTS', job_key(existing)) == 1 then
@@ -152,7 +180,6 @@ if type(created_at) ~= 'number' then created_at = t end
 redis.call('HSET', KEYS[1], 'id', sub.id, 'model', sub.model, 'submission', ARGV[1], 'status', 'queued',
   'priority', priority, 'score', score, 'attempts', 0, 'fence', 0, 'seq', 0, 'owner', owner,
   'created_at', string.format('%.6f', created_at))
-local tenant = owner ~= '' and owner or '-'
 local weight = tonumber(ARGV[2] or '1') or 1
 if weight <= 0 then weight = 1 end
 redis.call('HSET', KEYS[1], 'tenant', tenant, 'weight', weight, 'cost', cost)

@@ -139,54 +139,68 @@ def record_from_fields(fields: dict[str, str]) -> JobRecord:
     )
 
 
-def script_config(settings: Settings) -> dict[str, str | int | float]:
-    """What the scripts need besides their keys: the key layout of shared/keys.py (scripts derive the keys of
-    job ids they discover) and the settings that decide TTLs, caps and retries. Worker-side scripts get it as
-    their ``ctx`` argument; submit and cancel read the same values from ``ts:config`` (``publish_config``)."""
+def script_config(settings: Settings, keyspace: keys.Keyspace, shard: int) -> dict[str, str | int | float]:
+    """What the scripts of one queue shard need besides their keys: the shard's key layout (scripts derive the keys
+    of job ids they discover, ``Keyspace.layout``) and the settings that decide TTLs, caps and retries. Worker-side
+    scripts get it as their ``ctx`` argument; submit and cancel read the same values from the shard's config hash
+    (``publish_config``)."""
     return {
-        "job_prefix": keys.JOB_PREFIX, "job_suffix": keys.JOB_SUFFIX, "log_suffix": keys.LOG_SUFFIX,
-        "live_suffix": keys.LIVE_SUFFIX, "queue_prefix": keys.QUEUE_PREFIX, "queue_suffix": keys.QUEUE_SUFFIX,
-        "wake_suffix": keys.QUEUE_WAKE_SUFFIX, "seq_suffix": keys.QUEUE_SEQ_SUFFIX,
-        "idem_prefix": keys.IDEMPOTENCY_PREFIX, "worker_prefix": keys.WORKER_PREFIX,
-        "cancels_suffix": keys.WORKER_CANCELS_SUFFIX,
-        "control_prefix": keys.CONTROL_PREFIX, "lease_ttl_s": settings.lease_ttl_s,
+        **keyspace.layout(shard), "lease_ttl_s": settings.lease_ttl_s,
         "result_ttl_s": settings.result_ttl_s, "max_attempts": settings.max_attempts,
         "stream_maxlen": settings.stream_maxlen, "dead_keep_s": keys.DEAD_LETTER_KEEP_S,
         "max_queue_length": settings.max_queue_length, "owner_jobs_keep": keys.OWNER_JOBS_KEEP,
-        "tenants_suffix": keys.QUEUE_TENANTS_SUFFIX, "vtime_suffix": keys.QUEUE_VTIME_SUFFIX,
-        "tenant_suffix": keys.QUEUE_TENANT_SUFFIX, "deadlines_suffix": keys.QUEUE_DEADLINES_SUFFIX,
-        "events_key": keys.JOB_EVENTS, "events_maxlen": keys.JOB_EVENTS_MAXLEN,
+        "events_maxlen": keys.JOB_EVENTS_MAXLEN,
     }
 
 
+class ShardLayoutError(RuntimeError):
+    """This Redis holds jobs laid out for another number of queue shards than this process's ``queue_shards``."""
+
+
 class QueueBase:
-    """One ``redis.asyncio.Redis`` client, the loaded scripts and the ``ctx`` every transition script takes."""
+    """One Redis client (a single node or a ``RedisCluster``), the loaded scripts, the key space of the
+    deployment's queue shards and the ``ctx`` each shard's transition scripts take."""
 
     def __init__(self, redis: Redis, settings: Settings, poll_interval_s: float = 2.0) -> None:
         self._redis = redis
         self._settings = settings
         self._scripts = Scripts.load(redis)
+        self.keyspace = keys.Keyspace(settings.queue_shards)
         # A stream or cancellation listener re-checks Redis after this long without a message, so a missed
         # pub/sub message (a reconnect) costs at most this delay and a finished job never hangs a reader.
         self._poll_s = poll_interval_s
-        self._ctx = json.dumps(script_config(settings))
+        self._ctx = [json.dumps(script_config(settings, self.keyspace, shard)) for shard in self.keyspace.shards]
         self.live_channels = LiveChannels(redis, poll_interval_s)  # one pub/sub connection for every open stream
         self._policies = settings.tenant_policies()
         self._cards_sent: set[str] = set()
+        self._claim_turn = 0  # the shard a worker's claims look at first among equals, moving on at every claim
 
     async def publish_config(self, replace: bool = True) -> None:
-        """Store the key layout and settings the scripts read (``ts:config``), so another backend's submit and
-        cancel need only the job's own data. An API stores its settings at start (``replace``); a worker only
-        when none are stored (a new or wiped Redis). Their settings must agree: a difference is logged."""
-        mine = {name: str(value) for name, value in script_config(self._settings).items()}
-        stored = {as_text(k): as_text(v) for k, v in (await self._redis.hgetall(keys.CONFIG)).items()}
+        """Store each shard's key layout and the settings the scripts read (``ts:config:{<tag>}``) and the shard
+        tags (``ts:shards``), so another backend's submit and cancel need only the job's own data. An API stores
+        its settings at start (``replace``); a worker only when none are stored (a new or wiped Redis). Their
+        settings must agree: a difference is logged. A different number of shards is refused
+        (``ShardLayoutError``): the processes would look for the same jobs under different keys."""
+        tags = ",".join(self.keyspace.tags)
+        stored_tags = await self._redis.get(keys.SHARDS)
+        if stored_tags is not None and as_text(stored_tags) != tags:
+            raise ShardLayoutError(f"this Redis is laid out for queue shards {as_text(stored_tags)!r} ({keys.SHARDS}), "
+                                   f"this process for {tags!r}: give every API and worker the same queue_shards")
+        for shard in self.keyspace.shards:
+            await self._publish_shard_config(shard, replace)
+        await self._redis.set(keys.SHARDS, tags)
+
+    async def _publish_shard_config(self, shard: int, replace: bool) -> None:
+        key = self.keyspace.config(shard)
+        mine = {name: str(value) for name, value in script_config(self._settings, self.keyspace, shard).items()}
+        stored = {as_text(k): as_text(v) for k, v in (await self._redis.hgetall(key)).items()}
         if stored and not replace:
             return
         differ = sorted(name for name, value in mine.items() if name in stored and stored[name] != value)
         if differ:
             log.warning("settings differ from those another process stored in %s: %s; using this process's",
-                        keys.CONFIG, ", ".join(f"{n}={stored[n]!r}->{mine[n]!r}" for n in differ))
-        await self._redis.hset(keys.CONFIG, items=[x for pair in mine.items() for x in pair])
+                        key, ", ".join(f"{n}={stored[n]!r}->{mine[n]!r}" for n in differ))
+        await self._redis.hset(key, items=[x for pair in mine.items() for x in pair])
 
     @property
     def redis(self) -> Redis:

@@ -57,15 +57,19 @@ class ClientSide(QueueBase):
         The owner's policy (``Settings.api_key_policies``) gives the fair-share weight and the limits, enforced
         in the same script that enqueues. Raises RateLimitedError when a limit refuses the job.
         """
-        model, tenant = job.model, keys.tenant_of(job.owner)
+        ks, model, tenant = self.keyspace, job.model, keys.tenant_of(job.owner)
         policy = self._policies.of(job.owner)
-        idem = keys.idempotency(job.owner, job.idempotency_key) if job.idempotency_key is not None else ""
-        job_keys = [keys.job(job.id), keys.queue(model), keys.queue_seq(model), keys.CONFIG, idem,
-                    keys.queue_tenant(model, tenant), keys.queue_tenants(model), keys.queue_deadlines(model),
-                    keys.owner_jobs(job.owner)]
+        shard = ks.placement(job.id, job.owner, job.idempotency_key, policy.has_limits)
+        if ks.shard_of(job.id) != shard:
+            raise ValueError(f"id: job id {job.id} maps to queue shard {ks.shard_of(job.id)}, but this submission "
+                             f"goes to shard {shard} (make its id with job_id_for)")
+        idem = ks.idempotency(job.owner, job.idempotency_key, shard) if job.idempotency_key is not None else ""
+        job_keys = [ks.job(job.id), ks.queue(model, shard), ks.queue_seq(model, shard), ks.config(shard), idem,
+                    ks.queue_tenant(model, tenant, shard), ks.queue_tenants(model, shard),
+                    ks.queue_deadlines(model, shard), ks.owner_jobs(job.owner, shard)]
         args: list[str | int | float] = [job.model_dump_json(), policy.weight]
         if policy.has_limits:
-            job_keys.append(keys.queue_rate(model, tenant))
+            job_keys.append(ks.queue_rate(model, tenant, shard))
             args.append(json.dumps({"rpm": policy.rpm, "tpm": policy.tpm, "jobs": policy.max_jobs}))
         try:
             reply = await self._configured(lambda: self._scripts.submit(keys=job_keys, args=args))
@@ -82,11 +86,20 @@ class ClientSide(QueueBase):
         rate = RateState.from_reply(reply[2]) if len(reply) > 2 else None
         return record_from_fields(reply_fields(reply[1])), outcome == "created", rate
 
+    def job_id_for(self, owner: str | None, idempotency_key: str | None = None, base: str | None = None) -> str:
+        """An id for a new job of ``owner`` in the queue shard its submission goes to (``Keyspace.job_id_for``,
+        with the owner's rate limits from this process's policies)."""
+        return self.keyspace.job_id_for(owner, idempotency_key, self._policies.of(owner).has_limits, base)
+
     async def expire(self, model: str, limit: int = 100) -> int:
-        """Finalise ``expired`` the queued jobs of ``model`` whose start-by time passed; how many. Claims do it
-        too; the API's reaper calls this for models no worker claims from."""
-        return int(await self._scripts.expire(keys=[keys.queue(model), keys.INFLIGHT, keys.queue_deadlines(model)],
-                                              args=[self._ctx, limit]))
+        """Finalise ``expired`` the queued jobs of ``model`` whose start-by time passed, in every shard; how many.
+        Claims do it too; the API's reaper calls this for models no worker claims from."""
+        ks, total = self.keyspace, 0
+        for shard in ks.shards:
+            total += int(await self._scripts.expire(
+                keys=[ks.queue(model, shard), ks.inflight(shard), ks.queue_deadlines(model, shard)],
+                args=[self._ctx[shard], limit]))
+        return total
 
     async def _configured(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """Run a script that reads ``ts:config``; when the config is missing (a Redis that lost its data since
@@ -94,19 +107,19 @@ class ClientSide(QueueBase):
         try:
             return await call()
         except ResponseError as exc:
-            if not str(exc).startswith(f"{keys.CONFIG} is missing"):
+            if "is missing: start the tokenspool" not in str(exc):
                 raise
         await self.publish_config()
         return await call()
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or None when it does not exist (never did, or its result TTL ran out)."""
-        raw = await self._redis.hgetall(keys.job(job_id))
+        raw = await self._redis.hgetall(self.keyspace.job(job_id))
         return record_from_fields({as_text(k): as_text(v) for k, v in raw.items()}) if raw else None
 
     async def get_submission(self, job_id: str) -> JobSubmission | None:
         """The job as submitted (owner, background flag, params), or None if missing or malformed."""
-        raw = await self._redis.hget(keys.job(job_id), "submission")
+        raw = await self._redis.hget(self.keyspace.job(job_id), "submission")
         if raw is None:
             return None
         try:
@@ -118,7 +131,7 @@ class ClientSide(QueueBase):
         """``(exists, owner)`` of the job, read without its submission (which may hold megabytes of prompt), so
         checking access costs the same whatever another tenant's job holds. A record written before the
         ``owner`` field existed falls back to its submission."""
-        status, owner = await self._redis.hmget(keys.job(job_id), ["status", "owner"])
+        status, owner = await self._redis.hmget(self.keyspace.job(job_id), ["status", "owner"])
         if status is None:
             return False, None
         if owner is None:
@@ -129,10 +142,16 @@ class ClientSide(QueueBase):
     async def recent_jobs(self, owner: str | None, limit: int) -> list[JobRecord]:
         """The newest ``limit`` jobs ``owner`` submitted (None: the jobs submitted without a key), newest first,
         read without their submissions; jobs whose record expired are skipped."""
-        job_ids = [as_text(x) for x in await self._redis.zrevrange(keys.owner_jobs(owner), 0, limit - 1)]
+        ks = self.keyspace
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for shard in ks.shards:
+                pipe.zrevrange(ks.owner_jobs(owner, shard), 0, limit - 1, withscores=True)
+            per_shard = await pipe.execute()
+        newest = sorted((entry for entries in per_shard for entry in entries), key=lambda e: -float(e[1]))[:limit]
+        job_ids = [as_text(job_id) for job_id, _ in newest]
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hmget(keys.job(job_id), RECORD_FIELDS)
+                pipe.hmget(ks.job(job_id), RECORD_FIELDS)
             rows = await pipe.execute() if job_ids else []
         return [record_from_fields({name: as_text(v) for name, v in zip(RECORD_FIELDS, row, strict=True)
                                     if v is not None})
@@ -140,10 +159,14 @@ class ClientSide(QueueBase):
 
     async def running_jobs(self) -> list[tuple[str, str | None, str | None]]:
         """``(job_id, worker_id, owner)`` of every running job (the in-flight set), for the fleet view."""
-        job_ids = [as_text(x) for x in await self._redis.zrange(keys.INFLIGHT, 0, -1)]
+        ks = self.keyspace
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for shard in ks.shards:
+                pipe.zrange(ks.inflight(shard), 0, -1)
+            job_ids = [as_text(x) for ids in await pipe.execute() for x in ids]
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hmget(keys.job(job_id), ["worker_id", "owner"])
+                pipe.hmget(ks.job(job_id), ["worker_id", "owner"])
             rows = await pipe.execute() if job_ids else []
         return [(job_id, as_text(worker) if worker else None, as_text(owner) if owner else None)
                 for job_id, (worker, owner) in zip(job_ids, rows, strict=True)]
@@ -151,27 +174,37 @@ class ClientSide(QueueBase):
     async def cancel(self, job_id: str) -> JobRecord | None:
         """Cancel: a queued job is cancelled now; a running one is flagged and its worker told to abort it
         (its record turns ``cancelled`` when the worker finalises). Finished jobs are left as they are."""
-        reply = await self._configured(lambda: self._scripts.cancel(keys=[keys.job(job_id), keys.INFLIGHT,
-                                                                          keys.CONFIG], args=[job_id]))
+        ks = self.keyspace
+        shard = ks.shard_of(job_id)
+        reply = await self._configured(lambda: self._scripts.cancel(
+            keys=[ks.job(job_id), ks.inflight(shard), ks.config(shard)], args=[job_id]))
         return record_from_fields(reply_fields(reply)) if reply else None
 
     async def rollback(self, job_ids: Sequence[str], error: str) -> int:
-        """Undo jobs a refused batch created, in one step: each is cancelled (``error`` recorded on those still
+        """Undo jobs a refused batch created: each is cancelled (``error`` recorded on those still
         queued) and its idempotency key deleted, so a retry with the same keys submits them afresh rather than
-        finding the cancelled jobs. Returns how many of the jobs existed."""
+        finding the cancelled jobs (one script call per queue shard). Returns how many of the jobs existed."""
         if not job_ids:
             return 0
-        reply = await self._scripts.rollback(keys=[keys.INFLIGHT, *(keys.job(i) for i in job_ids)],
-                                             args=[self._ctx, error, *job_ids])
-        return int(reply)
+        ks, found = self.keyspace, 0
+        for shard in ks.shards:
+            ids = [job_id for job_id in job_ids if ks.shard_of(job_id) == shard]
+            if ids:
+                found += int(await self._scripts.rollback(keys=[ks.inflight(shard), *(ks.job(i) for i in ids)],
+                                                          args=[self._ctx[shard], error, *ids]))
+        return found
 
     async def queue_depth_by_priority(self, model: str) -> dict[int, int]:
-        """Queued jobs of ``model`` per priority (only priorities with jobs).
+        """Queued jobs of ``model`` per priority (only priorities with jobs), over every shard."""
+        depths: dict[int, int] = {}
+        for shard in self.keyspace.shards:
+            for priority, depth in (await self._shard_depths(self.keyspace.queue(model, shard))).items():
+                depths[priority] = depths.get(priority, 0) + depth
+        return depths
 
-        A skip scan over the score ranges, one round trip per priority present (plus one), instead of reading
-        the whole queue: each priority owns the score range ``(-p * 2**32, (-p + 1) * 2**32)``.
-        """
-        key = keys.queue(model)
+    async def _shard_depths(self, key: str) -> dict[int, int]:
+        """One shard's queue per priority: a skip scan over the score ranges, one round trip per priority present
+        (plus one), instead of reading the whole queue: each priority owns ``(-p * 2**32, (-p + 1) * 2**32)``."""
         depths: dict[int, int] = {}
         start: float | str = "-inf"
         while True:
@@ -188,8 +221,11 @@ class ClientSide(QueueBase):
         return sorted(as_text(x) for x in await self._redis.hkeys(keys.MODEL_CARDS))
 
     async def num_dead_letters(self) -> int:
-        """How many jobs the dead-letter set holds (entries are pruned after 7 days)."""
-        return int(await self._redis.zcard(keys.DEAD_LETTER))
+        """How many jobs the shards' dead-letter sets hold (entries are pruned after 7 days)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for shard in self.keyspace.shards:
+                pipe.zcard(self.keyspace.dead_letter(shard))
+            return sum(int(n) for n in await pipe.execute())
 
     async def live_workers(self) -> list[WorkerInfo]:
         """Workers whose last heartbeat is within one lease TTL (by Redis time)."""
@@ -232,7 +268,8 @@ class ClientSide(QueueBase):
         """One page of the job's log: up to ``count`` entries with seq > ``after_seq``, as parsed JSON objects in
         order, and whether the page was full (more may follow). Stream readers page through a long log rather
         than load it whole, so a slow reader holds one page, not the log."""
-        chunk = await self._redis.xrange(keys.job_log(job_id), min=f"({after_seq}-0", max="+", count=count) or []
+        log_key = self.keyspace.job_log(job_id)
+        chunk = await self._redis.xrange(log_key, min=f"({after_seq}-0", max="+", count=count) or []
         return [entry_event(fields) for _, fields in chunk if fields], len(chunk) >= count
 
     async def replay(self, job_id: str, after_seq: int) -> list[dict[str, Any]]:

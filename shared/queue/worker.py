@@ -13,7 +13,7 @@ from redis.exceptions import NoScriptError
 from shared import keys
 from shared.lifecycle_log import RECOVERIES, job_fields
 from shared.pubsub import as_text, listen
-from shared.queue.base import ClaimedJob, QueueBase, RecoveredJob, invalid_reason
+from shared.queue.base import ClaimedJob, QueueBase, RecoveredJob, invalid_reason, priority_of_score
 from shared.schemas import (
     JobResult,
     JobStatus,
@@ -32,15 +32,20 @@ REAP_BATCH = 100
 PUBLISH_STEP_MAX_JOBS = 256
 
 
-def publish_groups(job_ids: Sequence[str], max_jobs: int = PUBLISH_STEP_MAX_JOBS) -> list[list[int]]:
-    """How one step's jobs are split into publish_step.lua calls: lists of indexes into ``job_ids``, in order.
+def publish_groups(job_ids: Sequence[str], keyspace: keys.Keyspace, max_jobs: int = PUBLISH_STEP_MAX_JOBS
+                   ) -> list[tuple[int, list[int]]]:
+    """How one step's jobs are split into publish_step.lua calls: ``(shard, indexes into job_ids)`` per call.
 
-    On one Redis node any jobs may share a call, so this is consecutive runs of ``max_jobs``. On a Redis Cluster a
-    script's keys must share a hash slot: this is the one place that would group the jobs by slot instead.
+    A script's keys must share a hash slot, so each call holds jobs of one queue shard (their keys carry its
+    tag), at most ``max_jobs`` of them, in step order within the shard.
     """
     if max_jobs < 1:
         raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
-    return [list(range(start, min(start + max_jobs, len(job_ids)))) for start in range(0, len(job_ids), max_jobs)]
+    by_shard: dict[int, list[int]] = {}
+    for i, job_id in enumerate(job_ids):
+        by_shard.setdefault(keyspace.shard_of(job_id), []).append(i)
+    return [(shard, indexes[start:start + max_jobs]) for shard, indexes in sorted(by_shard.items())
+            for start in range(0, len(indexes), max_jobs)]
 
 
 class WorkerSide(QueueBase):
@@ -54,7 +59,8 @@ class WorkerSide(QueueBase):
         send_card = info.id not in self._cards_sent or not await self._redis.hexists(keys.MODEL_CARDS, card.name)
         await self._scripts.register(
             keys=[keys.WORKERS, keys.worker_info(info.id), keys.MODEL_CARDS],
-            args=[info.id, info.model_dump_json(), info_ttl, card.name, card.model_dump_json() if send_card else ""],
+            args=[info.id, info.model_dump_json(), info_ttl, card.name, card.model_dump_json() if send_card else "",
+                  keys.DEAD_LETTER_KEEP_S],
         )
         if send_card:
             await self.publish_config(replace=False)
@@ -81,9 +87,41 @@ class WorkerSide(QueueBase):
                                ) -> tuple[list[ClaimedJob], int]:
         """``claim``, and how many queued jobs of ``model`` the claim found past their start-by time and
         finalised ``expired`` first (claim.lua)."""
-        reply = await self._scripts.claim(keys=[keys.queue(model), keys.INFLIGHT, keys.queue_tenants(model),
-                                                keys.queue_vtime(model), keys.queue_deadlines(model)],
-                                          args=[self._ctx, worker_id, max_jobs, int(idle)])
+        claimed: list[ClaimedJob] = []
+        num_expired = 0
+        for shard, lowest in await self._claim_order(model):
+            if len(claimed) >= max_jobs or any(job.alone for job in claimed):
+                break
+            jobs, expired = await self._claim_shard(model, shard, worker_id, max_jobs - len(claimed),
+                                                    idle and not claimed, lowest)
+            claimed += jobs
+            num_expired += expired
+        return claimed, num_expired
+
+    async def _claim_order(self, model: str) -> list[tuple[int, int | None]]:
+        """The shards to claim from, in order, each with the lowest priority to take there: best head priority
+        first (ties rotate, so no shard starves), and in each shard nothing below the best priority waiting at the
+        head of a shard later in the order. One shard: no look first."""
+        ks = self.keyspace
+        if ks.num_shards == 1:
+            return [(0, None)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for shard in ks.shards:
+                pipe.zrange(ks.queue(model, shard), 0, 0, withscores=True)
+            heads = await pipe.execute()
+        self._claim_turn = (self._claim_turn + 1) % ks.num_shards
+        waiting = [(priority_of_score(float(head[0][1])), (shard - self._claim_turn) % ks.num_shards, shard)
+                   for shard, head in enumerate(heads) if head]
+        waiting.sort(key=lambda w: (-w[0], w[1]))
+        return [(shard, max((w[0] for w in waiting[i + 1:]), default=None)) for i, (_, _, shard) in enumerate(waiting)]
+
+    async def _claim_shard(self, model: str, shard: int, worker_id: str, max_jobs: int, idle: bool,
+                           lowest: int | None) -> tuple[list[ClaimedJob], int]:
+        ks = self.keyspace
+        reply = await self._scripts.claim(
+            keys=[ks.queue(model, shard), ks.inflight(shard), ks.queue_tenants(model, shard),
+                  ks.queue_vtime(model, shard), ks.queue_deadlines(model, shard)],
+            args=[self._ctx[shard], worker_id, max_jobs, int(idle), "" if lowest is None else lowest])
         num_expired = int(reply[0])
         claimed = []
         for raw_id, raw_sub, fence, attempt, alone, time_left in reply[1:]:
@@ -107,10 +145,16 @@ class WorkerSide(QueueBase):
         """Extend the leases of the worker's jobs; returns the ids whose lease was lost (abort those)."""
         if not fences:
             return []
-        args: list[str | int] = [self._ctx, worker_id]
-        for job_id, fence in fences.items():
-            args += [job_id, fence]
-        return [as_text(x) for x in await self._scripts.renew(keys=[keys.INFLIGHT], args=args)]
+        ks = self.keyspace
+        lost: list[str] = []
+        for shard in ks.shards:
+            args: list[str | int] = [self._ctx[shard], worker_id]
+            for job_id, fence in fences.items():
+                if ks.shard_of(job_id) == shard:
+                    args += [job_id, fence]
+            if len(args) > 2:
+                lost += [as_text(x) for x in await self._scripts.renew(keys=[ks.inflight(shard)], args=args)]
+        return lost
 
     async def publish_many(self, batches: Iterable[tuple[str, int, Sequence[TokenEvent | RestartEvent]]],
                            ) -> list[bool]:
@@ -124,11 +168,13 @@ class WorkerSide(QueueBase):
         """
         jobs = list(batches)
         calls: list[tuple[list[str], list[str | int]]] = []
-        for group in publish_groups([job_id for job_id, _, _ in jobs]):
+        order: list[int] = []
+        for shard, group in publish_groups([job_id for job_id, _, _ in jobs], self.keyspace):
             job_keys: list[str] = []
-            args: list[str | int] = [self._ctx]
+            args: list[str | int] = [self._ctx[shard]]
+            order += group
             for job_id, fence, events in (jobs[i] for i in group):
-                job_keys.append(keys.job(job_id))
+                job_keys.append(self.keyspace.job(job_id))
                 args += [job_id, fence, int(any(isinstance(e, TokenEvent) for e in events)), len(events)]
                 for event in events:
                     args += [event.seq, event.model_dump_json(exclude={"seq"})]
@@ -138,7 +184,10 @@ class WorkerSide(QueueBase):
         except NoScriptError:  # Redis restarted and lost its scripts: nothing ran; load it and send again
             await self._redis.script_load(self._scripts.publish_step.script)
             replies = await self._publish_pipeline(calls)
-        return [bool(int(ok)) for reply in replies for ok in reply]
+        published = [False] * len(jobs)
+        for i, ok in zip(order, (ok for reply in replies for ok in reply), strict=True):
+            published[i] = bool(int(ok))
+        return published
 
     async def _publish_pipeline(self, calls: Sequence[tuple[list[str], list[str | int]]]) -> list[Any]:
         """EVALSHA of publish_step.lua per group in one pipeline. Called directly rather than as registered
@@ -157,14 +206,17 @@ class WorkerSide(QueueBase):
         status = (JobStatus.CANCELLED if "abort" in reasons else
                   JobStatus.EXPIRED if "timeout" in reasons else JobStatus.SUCCEEDED)
         used = result.usage.prompt_tokens + result.usage.completion_tokens
-        ok = await self._scripts.complete(keys=[keys.job(job_id), keys.INFLIGHT],
-                                          args=[self._ctx, job_id, fence, status.value, result.model_dump_json(),
+        shard = self.keyspace.shard_of(job_id)
+        ok = await self._scripts.complete(keys=[self.keyspace.job(job_id), self.keyspace.inflight(shard)],
+                                          args=[self._ctx[shard], job_id, fence, status.value, result.model_dump_json(),
                                                 used])
         return bool(int(ok))
 
     async def fail(self, job_id: str, fence: int, error: str) -> bool:
         """Fail the job for good with ``error`` (no retry). False: stale fence, rejected."""
-        ok = await self._scripts.fail(keys=[keys.job(job_id), keys.INFLIGHT], args=[self._ctx, job_id, fence, error])
+        ks, shard = self.keyspace, self.keyspace.shard_of(job_id)
+        ok = await self._scripts.fail(keys=[ks.job(job_id), ks.inflight(shard)],
+                                      args=[self._ctx[shard], job_id, fence, error])
         return bool(int(ok))
 
     async def release(self, job_id: str, fence: int, crashed: bool) -> str | None:
@@ -172,8 +224,9 @@ class WorkerSide(QueueBase):
         engine crashed (``crashed``: charged if it ran alone, else isolated; docs/protocol.md) or in a drain (not
         charged). Returns the job's new status (``queued``; ``failed`` when dead-lettered; ``cancelled`` when a
         cancel was pending), or None for a stale fence."""
-        reply = await self._scripts.release(keys=[keys.job(job_id), keys.INFLIGHT, keys.DEAD_LETTER],
-                                            args=[self._ctx, job_id, fence, int(crashed)])
+        ks, shard = self.keyspace, self.keyspace.shard_of(job_id)
+        reply = await self._scripts.release(keys=[ks.job(job_id), ks.inflight(shard), ks.dead_letter(shard)],
+                                            args=[self._ctx[shard], job_id, fence, int(crashed)])
         status = as_text(reply)
         return None if status == "0" else status
 
@@ -182,9 +235,13 @@ class WorkerSide(QueueBase):
         from its durable cancel set (so a message missed during a reconnect is not lost). An id may repeat
         until the worker finalises the job."""
         async def pending() -> list[str]:
-            return [as_text(job_id) for job_id in await self._redis.smembers(keys.worker_cancels(worker_id))]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for shard in self.keyspace.shards:
+                    pipe.smembers(self.keyspace.worker_cancels(worker_id, shard))
+                return [as_text(job_id) for ids in await pipe.execute() for job_id in ids]
 
-        return listen(self._redis, keys.control(worker_id), pending, f"control channel of {worker_id}", self._poll_s)
+        return listen(self._redis, [keys.control(worker_id)], pending, f"control channel of {worker_id}",
+                      self._poll_s)
 
     def wakeups(self, model: str) -> AsyncGenerator[str, None]:
         """A job id each time one enters the model's queue (submitted or requeued), from its wake channel; an
@@ -193,15 +250,22 @@ class WorkerSide(QueueBase):
         async def maybe_missed() -> list[str]:
             return [""]
 
-        return listen(self._redis, keys.queue_wake(model), maybe_missed, f"wake channel of {model}", self._poll_s)
+        channels = [self.keyspace.queue_wake(model, shard) for shard in self.keyspace.shards]
+        return listen(self._redis, channels, maybe_missed, f"wake channels of {model}", self._poll_s)
 
     async def reap(self) -> list[RecoveredJob]:
         """Recover jobs whose lease expired (a crash, docs/protocol.md): requeued, or failed and dead-lettered,
         or cancelled; tells which jobs went where (for metrics) and logs one line per job."""
         recovered: list[RecoveredJob] = []
+        for shard in self.keyspace.shards:
+            recovered += await self._reap_shard(shard)
+        return recovered
+
+    async def _reap_shard(self, shard: int) -> list[RecoveredJob]:
+        recovered: list[RecoveredJob] = []
         while True:
-            reply = await self._scripts.reap(keys=[keys.INFLIGHT, keys.DEAD_LETTER, keys.WORKERS],
-                                             args=[self._ctx, REAP_BATCH])
+            reply = await self._scripts.reap(keys=[self.keyspace.inflight(shard), self.keyspace.dead_letter(shard)],
+                                             args=[self._ctx[shard], REAP_BATCH])
             for raw_id, model, worker_id, status in reply[1:]:
                 job = RecoveredJob(as_text(raw_id), as_text(model), as_text(worker_id) or None, as_text(status))
                 log.warning("job %s: lease of worker %s expired; job %s", job.job_id, job.worker_id, job.status,

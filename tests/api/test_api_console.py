@@ -13,6 +13,8 @@ from shared import keys
 from tests.api.conftest import ApiServer, wait_until
 from tests.worker.scripted_engine import MODEL, InProcessWorker, expected_text
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 KEY_A, KEY_B = "key-a", "key-b"
 
 
@@ -62,8 +64,8 @@ def test_job_list_skips_expired_jobs(api: ApiServer, worker: InProcessWorker) ->
         wait_done(client, kept)
         wait_done(client, expired)
         with redis.Redis.from_url(api.settings.redis_url or "") as r:
-            r.delete(keys.job(expired))
-            assert r.ttl(keys.owner_jobs(None)) > 0  # the index itself expires with the results
+            r.delete(KS.job(expired))
+            assert r.ttl(KS.owner_jobs(None, 0)) > 0  # the index itself expires with the results
         assert [j["id"] for j in client.get("/v1/jobs").json()["data"]] == [kept]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import secrets
 import socket
 import time
 import tracemalloc
@@ -17,13 +18,14 @@ from conftest import ApiServer, parse_sse, wait_until
 from conftest import test_settings as api_settings
 from redis.asyncio import Redis
 
-from api.submission import new_job_id
 from shared import keys
 from shared.job_stream import MAX_EVENT_SEQ
 from shared.queue import JobQueue
 from shared.schemas import Choice, GenerationParams, JobResult, JobSubmission, TokenEvent, Usage
 from tests.queue.queue_helpers import publish, queue_depth
 from tests.worker.scripted_engine import MODEL, InProcessWorker
+
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
 
 
 def test_a_batch_retried_after_a_429_is_created_afresh(start_api: Callable[..., ApiServer]) -> None:
@@ -36,7 +38,7 @@ def test_a_batch_retried_after_a_429_is_created_afresh(start_api: Callable[..., 
         refused = client.post("/v1/jobs/batch", json=batch)
         assert refused.status_code == 429
         with redis.Redis.from_url(api.settings.redis_url or "") as r:
-            assert r.zcard(keys.queue(MODEL)) == 1, "the refused batch left jobs queued"
+            assert r.zcard(KS.queue(MODEL, 0)) == 1, "the refused batch left jobs queued"
             assert r.keys(f"{keys.IDEMPOTENCY_PREFIX}*") == [], "the refused batch left idempotency keys behind"
         assert client.delete(f"/v1/jobs/{blocker}").json()["status"] == "cancelled"
 
@@ -167,21 +169,21 @@ async def test_rollback_cancels_running_jobs_too_and_keeps_keys_it_does_not_own(
     async with Redis.from_url(redis_url) as r:
         settings = api_settings(redis_url)
         queue = JobQueue(r, settings)
-        running, queued = (JobSubmission(id=new_job_id(), model=MODEL, prompt=p, idempotency_key=f"k-{p}",
+        running, queued = (JobSubmission(id=secrets.token_hex(16), model=MODEL, prompt=p, idempotency_key=f"k-{p}",
                                          params=GenerationParams(max_tokens=2)) for p in ("a", "b"))
         for job in (running, queued):
             await queue.submit(job)
         [claimed] = await queue.claim(MODEL, "w-1", 1)
         assert claimed.submission.id == running.id
-        await r.set(keys.idempotency(None, "k-b"), "someone-else-01")  # the key was taken over meanwhile
+        await r.set(KS.idempotency(None, "k-b", 0), "someone-else-01")  # the key was taken over meanwhile
 
         assert await queue.rollback([running.id, queued.id, "no-such-job-01"], "rolled back") == 2
-        assert await r.hget(keys.job(running.id), "cancel") == b"1"
-        assert await r.sismember(keys.worker_cancels("w-1"), running.id)
+        assert await r.hget(KS.job(running.id), "cancel") == b"1"
+        assert await r.sismember(KS.worker_cancels("w-1", 0), running.id)
         record = await queue.get(queued.id)
         assert record is not None and record.status.value == "cancelled" and record.error == "rolled back"
-        assert not await r.exists(keys.idempotency(None, "k-a"))
-        assert await r.get(keys.idempotency(None, "k-b")) == b"someone-else-01"
+        assert not await r.exists(KS.idempotency(None, "k-a", 0))
+        assert await r.get(KS.idempotency(None, "k-b", 0)) == b"someone-else-01"
         assert await queue_depth(queue, MODEL) == 0
 
 
@@ -205,10 +207,10 @@ async def test_a_record_without_the_owner_field_is_checked_by_its_submission(red
     """Records written before submit.lua copied the owner out still get the owner check (from the submission)."""
     async with Redis.from_url(redis_url) as r:
         queue = JobQueue(r, api_settings(redis_url))
-        job = JobSubmission(id=new_job_id(), model=MODEL, prompt="p", owner="a" * 64,
+        job = JobSubmission(id=secrets.token_hex(16), model=MODEL, prompt="p", owner="a" * 64,
                             params=GenerationParams(max_tokens=2))
         await queue.submit(job)
         assert await queue.get_owner(job.id) == (True, "a" * 64)
-        await r.hdel(keys.job(job.id), "owner")
+        await r.hdel(KS.job(job.id), "owner")
         assert await queue.get_owner(job.id) == (True, "a" * 64)
         assert await queue.get_owner("no-such-job-01") == (False, None)

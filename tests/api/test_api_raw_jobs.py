@@ -15,15 +15,17 @@ from shared import keys
 from shared.scripts import lua_source
 from tests.worker.scripted_engine import MODEL, InProcessWorker
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 
 def _raw_submit(client: redis.Redis, submission: dict[str, object]) -> None:
-    client.eval(lua_source("submit"), 4, keys.job(str(submission["id"])), keys.queue(MODEL), keys.queue_seq(MODEL),
-                keys.CONFIG, json.dumps(submission))
+    client.eval(lua_source("submit"), 4, KS.job(str(submission["id"])), KS.queue(MODEL, 0), KS.queue_seq(MODEL, 0),
+                KS.config(0), json.dumps(submission))
 
 
 def _redis(api: ApiServer) -> redis.Redis:
     client = redis.Redis.from_url(str(api.settings.redis_url), decode_responses=True)
-    wait_until(lambda: client.exists(keys.CONFIG), what="the API stored ts:config")
+    wait_until(lambda: client.exists(KS.config(0)), what="the API stored ts:config")
     return client
 
 
@@ -53,6 +55,6 @@ def test_a_raw_jobs_owner_is_the_sha256_of_the_api_key_that_may_see_it(start_api
             assert b.get(f"/v1/jobs/{job_id}").status_code == 404
         # Cancel with the shipped scripts, as another backend would: lib.lua + cancel.lua, the job id only.
         cancel = lua_source("lib") + "\n" + lua_source("cancel")
-        fields = r.eval(cancel, 3, keys.job(job_id), keys.INFLIGHT, keys.CONFIG, job_id)
+        fields = r.eval(cancel, 3, KS.job(job_id), KS.inflight(0), KS.config(0), job_id)
         assert dict(zip(fields[::2], fields[1::2], strict=True))["status"] == "cancelled"
-        assert 0 < r.ttl(keys.job(job_id)) <= api.settings.result_ttl_s
+        assert 0 < r.ttl(KS.job(job_id)) <= api.settings.result_ttl_s

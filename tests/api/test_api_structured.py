@@ -20,6 +20,8 @@ from shared.schemas import JobSubmission
 from shared.tool_prompt import template_inputs, tool_call_block
 from tests.worker.scripted_engine import MODEL, InProcessWorker
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -52,7 +54,7 @@ def test_bad_structured_requests_are_a_400_naming_the_field(api: ApiServer, extr
 def _submitted(api: ApiServer) -> JobSubmission:
     client = redis.Redis.from_url(api.settings.redis_url or "")
     try:
-        (job_key,) = [k for k in client.scan_iter(keys.job("*")) if client.type(k) == b"hash"]
+        (job_key,) = [k for k in client.scan_iter(KS.job("*")) if client.type(k) == b"hash"]
         return JobSubmission.model_validate_json(client.hget(job_key, "submission") or b"")
     finally:
         client.close()

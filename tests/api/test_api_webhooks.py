@@ -26,6 +26,8 @@ from shared import keys
 from shared.launcher.redis_server import free_port
 from tests.worker.scripted_engine import MODEL, InProcessWorker
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
 
 
@@ -176,12 +178,12 @@ def test_events_survive_an_api_restart(start_api: Callable[..., ApiServer], rece
     first = _webhook_api(start_api, receiver)
     client = redis.Redis.from_url(first.settings.redis_url or "")
     request.addfinalizer(client.close)
-    wait_until(lambda: bool(client.exists(keys.JOB_EVENTS)), what="the job-event group")
+    wait_until(lambda: bool(client.exists(KS.job_events(0))), what="the job-event group")
     start_worker(token_delay_s=0.05)
     with first.client() as http:
         job_id = http.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 20}).json()["id"]
     first.stop()  # no API runs when the job ends: its event waits in the stream
-    wait_until(lambda: client.hget(keys.job(job_id), "status") == b"succeeded", what="the job")
+    wait_until(lambda: client.hget(KS.job(job_id), "status") == b"succeeded", what="the job")
     _webhook_api(start_api, receiver)
     wait_until(lambda: len(receiver.delivered()) == 1, timeout_s=20, what="the event after the restart")
     assert _events(receiver) == [("/hooks", "job.succeeded", job_id)]

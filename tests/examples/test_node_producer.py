@@ -17,6 +17,8 @@ from shared import keys
 from shared.launcher.redis_server import RedisServer
 from tests.worker.worker_process import REPO, WorkerProcess
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 
 EXAMPLE = REPO / "examples" / "node"
@@ -51,4 +53,4 @@ def test_the_node_producer_submits_streams_polls_and_cancels(worker: WorkerProce
     assert summary["cancelled_status"] == "cancelled" and summary["cancelled_finish_reason"] == "abort"
     assert "priority must be an integer in [-1000, 1000]" in summary["refused"]
     with redis.Redis.from_url(redis_url) as r:
-        assert r.zcard(keys.INFLIGHT) == 0
+        assert r.zcard(KS.inflight(0)) == 0

@@ -14,6 +14,8 @@ from shared.config import Settings
 from shared.queue import JobQueue
 from shared.schemas import JobSubmission, RestartEvent, StreamEvent, TokenEvent
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 MODEL = "tiny"
 
 
@@ -55,9 +57,9 @@ async def publish(queue: JobQueue, job_id: str, fence: int, events: Sequence[Tok
 
 
 async def queue_depth(queue: JobQueue, model: str) -> int:
-    return int(await queue.redis.zcard(keys.queue(model)))
+    return int(await queue.redis.zcard(KS.queue(model, 0)))
 
 
 async def dead_letters(queue: JobQueue) -> list[str]:
     """Ids in the dead-letter set, oldest first."""
-    return [x.decode() if isinstance(x, bytes) else x for x in await queue.redis.zrange(keys.DEAD_LETTER, 0, -1)]
+    return [x.decode() if isinstance(x, bytes) else x for x in await queue.redis.zrange(KS.dead_letter(0), 0, -1)]

@@ -12,6 +12,8 @@ from shared import keys
 from shared.queue import JobQueue
 from shared.schemas import Choice, DoneEvent, JobResult, JobStatus, Usage
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 
 async def test_a_job_not_started_within_its_queue_timeout_expires(queue: JobQueue, redis: Redis) -> None:
     late = make_job(queue_timeout_s=0.2)
@@ -29,8 +31,8 @@ async def test_a_job_not_started_within_its_queue_timeout_expires(queue: JobQueu
         [done] = await collect(events)
     assert isinstance(done, DoneEvent) and done.job.status is JobStatus.EXPIRED
     assert await queue_depth(queue, MODEL) == 1  # the patient job still waits
-    assert await redis.zrange(keys.queue_deadlines(MODEL), 0, -1) == [patient.id]
-    assert await redis.ttl(keys.job(late.id)) > 0  # a terminal job gets the result TTL
+    assert await redis.zrange(KS.queue_deadlines(MODEL, 0), 0, -1) == [patient.id]
+    assert await redis.ttl(KS.job(late.id)) > 0  # a terminal job gets the result TTL
 
 
 async def test_a_claim_expires_overdue_jobs_instead_of_starting_them(queue: JobQueue) -> None:

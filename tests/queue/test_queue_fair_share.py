@@ -16,6 +16,8 @@ from shared.schemas import Choice, JobResult, JobSubmission, Usage
 from shared.scripts import lua_source
 from shared.tenants import KeyPolicy, owner_of
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 OWNER_A, OWNER_B = owner_of("key-a"), owner_of("key-b")
 
 
@@ -135,25 +137,25 @@ async def test_a_job_pushed_with_only_the_required_keys_runs(queue: JobQueue, re
     still gets its job run: it joins its tenant's sub-queue when it reaches the head of the queue."""
     raw = job_of(None)
     await queue.publish_config()
-    await redis.eval(lua_source("submit"), 4, keys.job(raw.id), keys.queue(MODEL), keys.queue_seq(MODEL),
-                     keys.CONFIG, raw.model_dump_json())
+    await redis.eval(lua_source("submit"), 4, KS.job(raw.id), KS.queue(MODEL, 0), KS.queue_seq(MODEL, 0),
+                     KS.config(0), raw.model_dump_json())
     await queue.submit(job_of(OWNER_A))
 
     ran = [await run_one(queue), await run_one(queue)]
 
     assert [s.id for s in ran if s is not None][0] == raw.id
-    assert await redis.zcard(keys.queue_tenants(MODEL)) == 0  # every tenant's sub-queue is empty again
+    assert await redis.zcard(KS.queue_tenants(MODEL, 0)) == 0  # every tenant's sub-queue is empty again
 
 
 async def test_cancel_takes_a_job_out_of_its_tenants_sub_queue(queue: JobQueue, redis: Redis) -> None:
     job = job_of(OWNER_B)
     await queue.submit(job)
-    assert await redis.zcard(keys.queue_tenant(MODEL, OWNER_B)) == 1
+    assert await redis.zcard(KS.queue_tenant(MODEL, OWNER_B, 0)) == 1
 
     await queue.cancel(job.id)
 
-    assert await redis.exists(keys.queue_tenant(MODEL, OWNER_B)) == 0
-    assert await redis.zscore(keys.queue_tenants(MODEL), OWNER_B) is None
+    assert await redis.exists(KS.queue_tenant(MODEL, OWNER_B, 0)) == 0
+    assert await redis.zscore(KS.queue_tenants(MODEL, 0), OWNER_B) is None
     assert await queue.claim(MODEL, "w1", 1) == []
 
 
@@ -164,12 +166,12 @@ async def test_a_hostile_token_estimate_leaves_the_tenants_clock_finite(queue: J
     hostile = job_of(None).model_dump(mode="json")
     hostile.update(n=1e308, params={"max_tokens": 1e999})  # json.dumps writes 1e999 as Infinity, cjson reads it
     await queue.publish_config()
-    await redis.eval(lua_source("submit"), 4, keys.job(hostile["id"]), keys.queue(MODEL), keys.queue_seq(MODEL),
-                     keys.CONFIG, json.dumps(hostile))
+    await redis.eval(lua_source("submit"), 4, KS.job(hostile["id"]), KS.queue(MODEL, 0), KS.queue_seq(MODEL, 0),
+                     KS.config(0), json.dumps(hostile))
     await queue.submit(job_of(None))
 
     ran = [await run_one(queue) for _ in range(2)]  # the hostile job is failed at its claim, the valid one runs
     assert [sub is not None for sub in ran] == [False, True]
 
-    assert (await redis.hget(keys.job(hostile["id"]), "status")) == "failed"
-    assert 0 < float(await redis.hget(keys.queue_vtime(MODEL), "-")) <= 1e7 + 100
+    assert (await redis.hget(KS.job(hostile["id"]), "status")) == "failed"
+    assert 0 < float(await redis.hget(KS.queue_vtime(MODEL, 0), "-")) <= 1e7 + 100

@@ -11,6 +11,8 @@ from shared.config import Settings
 from shared.queue import JobQueue
 from shared.schemas import JobStatus
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 
 async def test_each_owner_sees_its_own_jobs_newest_first(queue: JobQueue, redis: Redis,
                                                           settings: Settings) -> None:
@@ -26,7 +28,7 @@ async def test_each_owner_sees_its_own_jobs_newest_first(queue: JobQueue, redis:
     assert [r.id for r in await queue.recent_jobs(None, 10)] == [anonymous.id]
     assert [r.id for r in await queue.recent_jobs("alice", 2)] == [alice[2].id, alice[1].id]
     assert await queue.recent_jobs("carol", 10) == []
-    assert 0 < await redis.ttl(keys.owner_jobs("alice")) <= settings.result_ttl_s
+    assert 0 < await redis.ttl(KS.owner_jobs("alice", 0)) <= settings.result_ttl_s
 
 
 async def test_a_replayed_idempotency_key_adds_no_second_entry(queue: JobQueue, redis: Redis) -> None:
@@ -34,7 +36,7 @@ async def test_a_replayed_idempotency_key_adds_no_second_entry(queue: JobQueue, 
     await queue.submit(first)
     _, created = await queue.submit(make_job(owner="alice", idempotency_key="k"))
     assert not created
-    assert await redis.zrange(keys.owner_jobs("alice"), 0, -1) == [first.id]
+    assert await redis.zrange(KS.owner_jobs("alice", 0), 0, -1) == [first.id]
 
 
 async def test_the_index_keeps_the_newest_entries_only(redis: Redis, redis_url: str) -> None:
@@ -42,7 +44,7 @@ async def test_the_index_keeps_the_newest_entries_only(redis: Redis, redis_url: 
     jobs = [make_job(owner="alice") for _ in range(keys.OWNER_JOBS_KEEP + 3)]
     for job in jobs:
         await queue.submit(job)
-    kept = await redis.zrevrange(keys.owner_jobs("alice"), 0, -1)
+    kept = await redis.zrevrange(KS.owner_jobs("alice", 0), 0, -1)
     assert len(kept) == keys.OWNER_JOBS_KEEP
     assert kept[0] == jobs[-1].id and kept[-1] == jobs[3].id
 

@@ -16,6 +16,8 @@ from shared.queue.worker import PUBLISH_STEP_MAX_JOBS, publish_groups
 from shared.schemas import TokenEvent
 from shared.scripts import Scripts
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 
 def _token(seq: int, text: str) -> TokenEvent:
     return TokenEvent(seq=seq, index=0, text=text, token_ids=[seq])
@@ -105,10 +107,10 @@ async def test_publish_lua_is_the_same_for_one_job(queue: JobQueue, redis: Redis
     job_id, publish = a.submission.id, Scripts.load(redis).publish
 
     async def publish_one(fence: int, events: list[TokenEvent]) -> int:
-        args: list[str | int] = [json.dumps(script_config(settings)), job_id, fence, 1]
+        args: list[str | int] = [json.dumps(script_config(settings, KS, 0)), job_id, fence, 1]
         for event in events:
             args += [event.seq, event.model_dump_json(exclude={"seq"})]
-        return int(await publish(keys=[keys.job(job_id)], args=args))
+        return int(await publish(keys=[KS.job(job_id)], args=args))
 
     assert await publish_one(a.fence, [_token(1, "x"), _token(2, "y")]) == 1
     assert await publish_one(a.fence, [_token(2, "y"), _token(3, "z")]) == 1
@@ -117,9 +119,17 @@ async def test_publish_lua_is_the_same_for_one_job(queue: JobQueue, redis: Redis
     assert (await queue.get(job_id)).first_token_at is not None  # type: ignore[union-attr]
 
 
-def test_publish_groups_splits_a_step_in_order() -> None:
-    assert publish_groups(["a", "b", "c", "d", "e"], max_jobs=2) == [[0, 1], [2, 3], [4]]
-    assert publish_groups(["a"]) == [[0]]
-    assert publish_groups([]) == []
+def test_publish_groups_split_a_step_by_shard_in_order() -> None:
+    one = keys.Keyspace(1)
+    assert publish_groups(["a", "b", "c", "d", "e"], one, max_jobs=2) == [(0, [0, 1]), (0, [2, 3]), (0, [4])]
+    assert publish_groups(["a"], one) == [(0, [0])]
+    assert publish_groups([], one) == []
     with pytest.raises(ValueError, match="max_jobs"):
-        publish_groups(["a"], max_jobs=0)
+        publish_groups(["a"], one, max_jobs=0)
+    three = keys.Keyspace(3)
+    job_ids = [f"job-{i:04d}" for i in range(12)]
+    groups = publish_groups(job_ids, three, max_jobs=3)
+    assert sorted(i for _, group in groups for i in group) == list(range(12))  # every job once
+    for shard, group in groups:
+        assert 1 <= len(group) <= 3 and group == sorted(group)
+        assert {three.shard_of(job_ids[i]) for i in group} == {shard}  # one shard (one hash slot) per call

@@ -14,6 +14,8 @@ from shared.queue import JobQueue, RateLimitedError
 from shared.schemas import Choice, JobResult, JobSubmission, Usage
 from shared.tenants import KeyPolicy, owner_of
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 OWNER = owner_of("key-a")
 
 
@@ -82,10 +84,10 @@ async def test_unfinished_jobs_are_capped_and_freed_by_any_end(redis: Redis, set
     [claim] = await queue.claim(MODEL, "w1", 1)
     assert await queue.fail(claim.submission.id, claim.fence, "boom")  # a failure frees its slot too
     await queue.submit(job())
-    assert int(await redis.hget(keys.queue_rate(MODEL, OWNER), "jobs")) == 2
+    assert int(await redis.hget(KS.queue_rate(MODEL, OWNER, 0), "jobs")) == 2
 
 
 async def test_keys_without_limits_are_not_counted(queue: JobQueue, redis: Redis) -> None:
     _, _, rate = await queue.submit_with_rate(job())
     assert rate is None
-    assert await redis.exists(keys.queue_rate(MODEL, OWNER)) == 0
+    assert await redis.exists(KS.queue_rate(MODEL, OWNER, 0)) == 0

@@ -13,6 +13,8 @@ from shared.config import Settings
 from shared.queue.base import script_config
 from shared.scripts import Scripts, lua_source, script_source
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 LUA_DIR = Path(__file__).resolve().parents[2] / "shared" / "lua"
 
 
@@ -28,18 +30,34 @@ def test_every_transition_script_compiles_in_redis(client: redis.Redis) -> None:
     assert lua_source("submit") == (LUA_DIR / "submit.lua").read_text()
 
 
-def test_keys_of_one_job_share_its_hash_tag() -> None:
-    job_id = "Zx8_-kq1AbCdEf"
-    for key in (keys.job(job_id), keys.job_log(job_id), keys.job_live(job_id)):
-        assert key[key.index("{") + 1 : key.index("}")] == job_id
-    assert keys.queue("m")[keys.queue("m").index("{") :].startswith("{m}")
-    assert keys.queue_seq("m")[keys.queue_seq("m").index("{") :].startswith("{m}")
+def test_the_keys_of_a_job_and_its_shard_share_the_shards_hash_tag() -> None:
+    three = keys.Keyspace(3)
+    assert len(set(three.tags)) == 3 and [keys.crc16(tag) % keys.SLOTS * 3 // keys.SLOTS for tag in three.tags] == [
+        0, 1, 2]  # each shard in its own third of the slots: one per master of a 3-master cluster
+    for job_id in ("Zx8_-kq1AbCdEf", "job-0001", "x" * 64):
+        tag = three.tags[three.shard_of(job_id)]
+        for key in (three.job(job_id), three.job_log(job_id), three.job_live(job_id)):
+            assert key[key.index("{") + 1 : key.index("}")] == tag
+    for key in (three.queue("m", 2), three.queue_seq("m", 2), three.inflight(2), three.config(2),
+                three.idempotency(None, "k", 2), three.owner_jobs("o", 2), three.job_events(2),
+                three.worker_cancels("w", 2), three.queue_rate("m", "t", 2)):
+        assert key[key.index("{") + 1 : key.index("}")] == three.tags[2]
+
+
+def test_job_ids_are_made_in_the_shard_their_submission_goes_to() -> None:
+    three = keys.Keyspace(3)
+    scope_shard = three.shard_of(keys.idempotency_scope("o", "k"))
+    assert three.shard_of(three.job_id_for("o", "k", rate_limited=False)) == scope_shard
+    assert three.shard_of(three.job_id_for("o", None, rate_limited=True)) == three.shard_of("o")
+    fitted = three.job_id_for("o", None, rate_limited=True, base="batch_x-7")
+    assert fitted == three.job_id_for("o", None, rate_limited=True, base="batch_x-7")  # deterministic
+    assert fitted.startswith("batch_x-7") and three.shard_of(fitted) == three.shard_of("o")
 
 
 def _store_config(client: redis.Redis, **settings: object) -> None:
     """What every API and worker stores at start (``QueueBase.publish_config``)."""
-    config = script_config(Settings(**settings))  # type: ignore[arg-type]
-    client.hset(keys.CONFIG, mapping={k: str(v) for k, v in config.items()})
+    config = script_config(Settings(**settings), KS, 0)  # type: ignore[arg-type]
+    client.hset(KS.config(0), mapping={k: str(v) for k, v in config.items()})
 
 
 def test_raw_eval_of_submit_lua(client: redis.Redis) -> None:
@@ -49,12 +67,12 @@ def test_raw_eval_of_submit_lua(client: redis.Redis) -> None:
     def submit(job_id: str, priority: int, idem: str | None = None) -> list:
         body = json.dumps({"id": job_id, "model": "m", "prompt": "Hi", "priority": priority,
                            **({"idempotency_key": idem} if idem else {})})
-        job_keys = [f"ts:job:{{{job_id}}}", "ts:queue:{m}", "ts:queue:{m}:seq", "ts:config"]
+        job_keys = [f"ts:job:{{0}}:{job_id}", "ts:queue:{0}:m", "ts:queue:{0}:m:seq", "ts:config:{0}"]
         if idem:
-            job_keys.append(f"ts:idem:-:{idem}")
+            job_keys.append(f"ts:idem:{{0}}:-:{idem}")
         return client.eval(script, len(job_keys), *job_keys, body)
 
-    with pytest.raises(redis.ResponseError, match="ts:config is missing: start the tokenspool API or a worker"):
+    with pytest.raises(redis.ResponseError, match=r"ts:config:\{0\} is missing: start the tokenspool API or a worker"):
         submit("raw-job-0001", 0)
     _store_config(client, max_queue_length=3)
     reply = submit("raw-job-0001", 0)
@@ -67,7 +85,7 @@ def test_raw_eval_of_submit_lua(client: redis.Redis) -> None:
     assert again[0] == "existing" and dict(zip(again[1][::2], again[1][1::2], strict=True))["id"] == "raw-job-0003"
 
     # Highest priority first, then FIFO: exact integer scores -priority * 2^32 + seq.
-    assert client.zrange("ts:queue:{m}", 0, -1, withscores=True) == [
+    assert client.zrange("ts:queue:{0}:m", 0, -1, withscores=True) == [
         ("raw-job-0002", -7 * 2**32 + 2), ("raw-job-0001", 1.0), ("raw-job-0003", 3.0)]
     assert submit("raw-job-0005", 0) == ["full", 3]  # the cap is the service's max_queue_length, from ts:config
     with pytest.raises(redis.ResponseError, match="already exists"):
@@ -76,19 +94,20 @@ def test_raw_eval_of_submit_lua(client: redis.Redis) -> None:
         submit("raw-job-0006", 5000)
 
 
-_JOB, _QUEUE, _SEQ, _CONFIG = "ts:job:{raw-job-0001}", "ts:queue:{m}", "ts:queue:{m}:seq", "ts:config"
+_JOB, _QUEUE, _SEQ, _CONFIG = "ts:job:{0}:raw-job-0001", "ts:queue:{0}:m", "ts:queue:{0}:m:seq", "ts:config:{0}"
 
 
 @pytest.mark.parametrize(("body", "job_keys", "error"), [
-    ({"id": "short"}, ["ts:job:{short}", _QUEUE, _SEQ, _CONFIG], "id must be 8-64 characters"),
-    ({"id": "job/00000001"}, ["ts:job:{job/00000001}", _QUEUE, _SEQ, _CONFIG], "id must be 8-64 characters"),
-    ({}, ["ts:job:{other-job-001}", _QUEUE, _SEQ, _CONFIG], r"KEYS\[1\] must be ts:job:\{raw-job-0001\}"),
-    ({}, [_JOB, "ts:queue:{n}", _SEQ, _CONFIG], r"KEYS\[2\] must be ts:queue:\{m\}"),
-    ({}, [_JOB, _QUEUE, "ts:queue:{m}:n", _CONFIG], r"KEYS\[3\] must be ts:queue:\{m\}:seq"),
-    ({"idempotency_key": "k"}, [_JOB, _QUEUE, _SEQ, _CONFIG], r"KEYS\[5\] must be ts:idem:-:k"),
-    ({"idempotency_key": "k", "owner": "o"}, [_JOB, _QUEUE, _SEQ, _CONFIG, "ts:idem:-:k"],
-     r"KEYS\[5\] must be ts:idem:o:k"),
-    ({}, [_JOB, _QUEUE, _SEQ, _CONFIG, "ts:idem:-:k"], r"KEYS\[5\] given but the submission has no idempotency_key"),
+    ({"id": "short"}, ["ts:job:{0}:short", _QUEUE, _SEQ, _CONFIG], "id must be 8-64 characters"),
+    ({"id": "job/00000001"}, ["ts:job:{0}:job/00000001", _QUEUE, _SEQ, _CONFIG], "id must be 8-64 characters"),
+    ({}, ["ts:job:{0}:other-job-001", _QUEUE, _SEQ, _CONFIG], r"KEYS\[1\] must be ts:job:\{0\}:raw-job-0001"),
+    ({}, [_JOB, "ts:queue:{0}:n", _SEQ, _CONFIG], r"KEYS\[2\] must be ts:queue:\{0\}:m"),
+    ({}, [_JOB, _QUEUE, "ts:queue:{0}:m:n", _CONFIG], r"KEYS\[3\] must be ts:queue:\{0\}:m:seq"),
+    ({"idempotency_key": "k"}, [_JOB, _QUEUE, _SEQ, _CONFIG], r"KEYS\[5\] must be ts:idem:\{0\}:-:k"),
+    ({"idempotency_key": "k", "owner": "o"}, [_JOB, _QUEUE, _SEQ, _CONFIG, "ts:idem:{0}:-:k"],
+     r"KEYS\[5\] must be ts:idem:\{0\}:o:k"),
+    ({}, [_JOB, _QUEUE, _SEQ, _CONFIG, "ts:idem:{0}:-:k"],
+     r"KEYS\[5\] given but the submission has no idempotency_key"),
 ])
 def test_submit_lua_refuses_keys_that_do_not_match_the_submission(client: redis.Redis, body: dict, job_keys: list,
                                                                   error: str) -> None:
@@ -98,20 +117,20 @@ def test_submit_lua_refuses_keys_that_do_not_match_the_submission(client: redis.
     submission = json.dumps({"id": "raw-job-0001", "model": "m", "prompt": "Hi", **body})
     with pytest.raises(redis.ResponseError, match=error):
         client.eval((LUA_DIR / "submit.lua").read_text(), len(job_keys), *job_keys, submission)
-    assert client.exists(_JOB, _QUEUE, "ts:job:{short}") == 0
+    assert client.exists(_JOB, _QUEUE, "ts:job:{0}:short") == 0
 
 
 def test_raw_eval_of_cancel_needs_only_the_job_id(client: redis.Redis) -> None:
     """lib.lua + cancel.lua with the record, the in-flight set and ts:config: no copy of any setting."""
     _store_config(client, result_ttl_s=1234)
     body = json.dumps({"id": "raw-job-0001", "model": "m", "prompt": "Hi"})
-    client.eval(lua_source("submit"), 4, "ts:job:{raw-job-0001}", "ts:queue:{m}", "ts:queue:{m}:seq", "ts:config",
-                body)
+    client.eval(lua_source("submit"), 4, "ts:job:{0}:raw-job-0001", "ts:queue:{0}:m", "ts:queue:{0}:m:seq",
+                "ts:config:{0}", body)
     cancel = lua_source("lib") + "\n" + lua_source("cancel")
-    fields = client.eval(cancel, 3, "ts:job:{raw-job-0001}", "ts:inflight", "ts:config", "raw-job-0001")
+    fields = client.eval(cancel, 3, "ts:job:{0}:raw-job-0001", "ts:inflight:{0}", "ts:config:{0}", "raw-job-0001")
     assert dict(zip(fields[::2], fields[1::2], strict=True))["status"] == "cancelled"
-    assert 1200 < client.ttl("ts:job:{raw-job-0001}") <= 1234  # the service's result TTL, from ts:config
-    assert client.zcard("ts:queue:{m}") == 0
-    assert client.eval(cancel, 3, "ts:job:{no-such-job}", "ts:inflight", "ts:config", "no-such-job") == []
-    with pytest.raises(redis.ResponseError, match=r"KEYS\[1\] must be ts:job:\{raw-job-0001\}"):
-        client.eval(cancel, 3, "ts:job:{x}", "ts:inflight", "ts:config", "raw-job-0001")
+    assert 1200 < client.ttl("ts:job:{0}:raw-job-0001") <= 1234  # the service's result TTL, from ts:config
+    assert client.zcard("ts:queue:{0}:m") == 0
+    assert client.eval(cancel, 3, "ts:job:{0}:no-such-job", "ts:inflight:{0}", "ts:config:{0}", "no-such-job") == []
+    with pytest.raises(redis.ResponseError, match=r"KEYS\[1\] must be ts:job:\{0\}:raw-job-0001"):
+        client.eval(cancel, 3, "ts:job:{0}:x", "ts:inflight:{0}", "ts:config:{0}", "raw-job-0001")

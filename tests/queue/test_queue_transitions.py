@@ -21,6 +21,8 @@ from shared.schemas import (
     Usage,
 )
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 RESULT = JobResult(choices=[Choice(index=0, text="hi there", finish_reason="stop", token_ids=[5, 6])],
                    usage=Usage(prompt_tokens=2, completion_tokens=2))
 
@@ -59,7 +61,7 @@ async def test_claim_sets_running_with_fence_and_renew_keeps_the_lease(queue: Jo
     done = await queue.get(job.id)
     assert done is not None and done.status is JobStatus.SUCCEEDED and done.text == "hi there"
     assert done.finished_at is not None and done.finished_at >= done.started_at
-    assert await redis.zscore(keys.INFLIGHT, job.id) is None
+    assert await redis.zscore(KS.inflight(0), job.id) is None
 
 
 async def test_stale_fence_is_rejected_after_the_job_moved_on(queue: JobQueue) -> None:
@@ -130,7 +132,7 @@ async def test_max_attempts_fails_the_job_into_the_dead_letter_set(redis: Redis,
     assert "2 times running alone" in record.error
     assert await dead_letters(queue) == [job.id]
     assert await queue.claim(MODEL, "w4", 1) == []
-    assert 0 < await redis.ttl(keys.job(job.id)) <= 600
+    assert 0 < await redis.ttl(KS.job(job.id)) <= 600
 
 
 async def test_release_without_charge_keeps_the_attempt_count(queue: JobQueue) -> None:
@@ -144,7 +146,7 @@ async def test_release_without_charge_keeps_the_attempt_count(queue: JobQueue) -
     assert restart == {"seq": 1, "type": "restart", "attempt": 2}  # attempts count claims; the next is 2
     [claim] = await queue.claim(MODEL, "w2", 1)
     assert (claim.attempt, claim.alone) == (2, False)  # a drain is no crash: the job is not isolated
-    assert await queue.redis.hmget(keys.job(job.id), "isolate", "crashes") == [None, None]
+    assert await queue.redis.hmget(KS.job(job.id), "isolate", "crashes") == [None, None]
 
 
 async def test_cancel_a_queued_job_removes_and_finalises_it(queue: JobQueue) -> None:
@@ -222,7 +224,7 @@ async def test_result_ttl_applies_to_every_key_of_the_job_at_the_end(queue: JobQ
     await queue.submit(job)
     [claim] = await queue.claim(MODEL, "w1", 1)
     await publish(queue, job.id, claim.fence, [TokenEvent(seq=1, text="x")])
-    job_keys = [keys.job(job.id), keys.job_log(job.id), keys.idempotency("o", "ttl")]
+    job_keys = [KS.job(job.id), KS.job_log(job.id), KS.idempotency("o", "ttl", 0)]
     assert [await redis.ttl(k) for k in job_keys] == [-1, -1, -1]  # nothing expires while it runs
 
     await queue.complete(job.id, claim.fence, RESULT)
@@ -250,10 +252,10 @@ async def test_queue_cap_raises_queue_full_with_retry_after(redis: Redis, redis_
 ])
 async def test_malformed_job_pushed_raw_fails_cleanly(queue: JobQueue, redis: Redis, submission: str) -> None:
     job_id = "raw-bad-job-1"
-    await redis.hset(keys.job(job_id), mapping={"id": job_id, "model": MODEL, "submission": submission,
+    await redis.hset(KS.job(job_id), mapping={"id": job_id, "model": MODEL, "submission": submission,
                                                 "status": "queued", "priority": 0, "score": 1, "attempts": 0,
                                                 "fence": 0, "seq": 0})
-    await redis.zadd(keys.queue(MODEL), {job_id: 1, "ghost-without-record": 2})
+    await redis.zadd(KS.queue(MODEL, 0), {job_id: 1, "ghost-without-record": 2})
     good = make_job()
     await queue.submit(good)
 
@@ -292,7 +294,7 @@ async def test_a_crash_isolates_the_jobs_it_took_down_without_charging_them(queu
     await asyncio.sleep(0.6)
     assert len(await queue.reap()) == 3
     for job in jobs:
-        assert await queue.redis.hmget(keys.job(job.id), "isolate", "crashes", "attempts") == ["1", None, "1"]
+        assert await queue.redis.hmget(KS.job(job.id), "isolate", "crashes", "attempts") == ["1", None, "1"]
     late = make_job()
     await queue.submit(late)
 
@@ -302,5 +304,5 @@ async def test_a_crash_isolates_the_jobs_it_took_down_without_charging_them(queu
 
     # Crashing again while alone is charged; a crash is charged by a release after an engine failure too.
     assert await queue.release(solo.submission.id, solo.fence, crashed=True)
-    assert await queue.redis.hget(keys.job(jobs[0].id), "crashes") == "1"
+    assert await queue.redis.hget(KS.job(jobs[0].id), "crashes") == "1"
     assert [c.submission.id for c in await queue.claim(MODEL, "w3", 1)] == [jobs[0].id]

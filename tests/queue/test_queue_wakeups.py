@@ -14,6 +14,8 @@ from shared.queue import JobQueue
 from shared.schemas import TokenEvent
 from shared.scripts import lua_source
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 
 async def listening(queue: JobQueue, model: str = MODEL) -> AsyncGenerator[str, None]:
     """A wakeups listener past its first (re)connect item, so what it yields next is a message."""
@@ -62,8 +64,8 @@ async def test_submit_lua_as_shipped_wakes_the_models_workers(queue: JobQueue, r
     await queue.publish_config()
     listener = await listening(queue)
     job = make_job()
-    await redis.eval(lua_source("submit"), 4, keys.job(job.id), keys.queue(MODEL), keys.queue_seq(MODEL),
-                     keys.CONFIG, job.model_dump_json())
+    await redis.eval(lua_source("submit"), 4, KS.job(job.id), KS.queue(MODEL, 0), KS.queue_seq(MODEL, 0),
+                     KS.config(0), job.model_dump_json())
     assert await asyncio.wait_for(anext(listener), 1.0) == job.id
     assert await queue_depth(queue, MODEL) == 1
     await listener.aclose()

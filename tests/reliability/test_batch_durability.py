@@ -23,6 +23,8 @@ from tests.reliability.stack import MODEL as TINY_MODEL
 from tests.reliability.stack import ApiProcess, frozen
 from tests.worker.worker_process import WorkerProcess
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 
 MODEL = "smol-batch"  # its own queue
@@ -117,5 +119,5 @@ def test_batch_survives_worker_and_api_kills(redis_url: str, api_process: ApiPro
     assert len(set(job_ids)) == NUM_LINES
     with redis.Redis.from_url(redis_url) as r:
         # Both workers ran lines of the batch: the kill really interrupted it.
-        workers = {r.hget(keys.job(job_id), "worker_id") for job_id in job_ids}
+        workers = {r.hget(KS.job(job_id), "worker_id") for job_id in job_ids}
         assert workers <= {b"batch-w1", b"standing"} and b"standing" in workers

@@ -20,6 +20,8 @@ from shared import keys
 from tests.reliability.stack import TERMINAL, ApiProcess, poll, submit
 from tests.worker.worker_process import WorkerProcess, wait_config
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 
 SUBMIT_LUA = (Path(__file__).resolve().parents[2] / "shared" / "lua" / "submit.lua").read_text()
@@ -60,7 +62,7 @@ def fuzzed_submission(rng: random.Random, job_id: str) -> str | bytes:
 
 def push_garbage_records(r: redis.Redis) -> list[str]:
     """Queue entries written by hand (ZADD/HSET), not by submit.lua. Returns the ids that have a record."""
-    queue = keys.queue("tiny-rel")
+    queue = KS.queue("tiny-rel", 0)
     with_record = []
     for name in ["", " ", "{x}", "no-record-at-all", "ü" * 40, "z" * 3000]:
         r.zadd(queue, {name: -1})  # queue entries without a job record
@@ -75,17 +77,17 @@ def push_garbage_records(r: redis.Redis) -> list[str]:
                                                                     "prompt": "x"})},
     }
     for job_id, fields in garbage.items():
-        r.hset(keys.job(job_id), mapping=fields)
+        r.hset(KS.job(job_id), mapping=fields)
         r.zadd(queue, {job_id: -1})
         if fields["status"] == "queued":
             with_record.append(job_id)
-    r.set(keys.job("wrong-type-01"), "a string where a hash belongs")
+    r.set(KS.job("wrong-type-01"), "a string where a hash belongs")
     r.zadd(queue, {"wrong-type-01": -1})
     for job_id in ["short", "has space in id", "ünïcödé-id"]:  # ids the protocol does not allow
-        r.hset(keys.job(job_id), mapping={"status": "queued", "submission": "{}"})
+        r.hset(KS.job(job_id), mapping={"status": "queued", "submission": "{}"})
         r.zadd(queue, {job_id: -1})
         with_record.append(job_id)
-    binary_key = keys.job("\x00").encode().replace(b"\x00", b"\xff\xfe-binary-id")
+    binary_key = KS.job("\x00").encode().replace(b"\x00", b"\xff\xfe-binary-id")
     r.hset(binary_key, mapping={"status": "queued", "submission": "{}"})
     r.zadd(queue, {b"\xff\xfe-binary-id": -1})
     return with_record
@@ -94,7 +96,7 @@ def push_garbage_records(r: redis.Redis) -> list[str]:
 def wait_terminal(r: redis.Redis, job_ids: list[str], worker: WorkerProcess, timeout_s: float = 90) -> dict[str, str]:
     deadline = time.monotonic() + timeout_s
     while True:
-        statuses = {job_id: (r.hget(keys.job(job_id), "status") or b"").decode() for job_id in job_ids}
+        statuses = {job_id: (r.hget(KS.job(job_id), "status") or b"").decode() for job_id in job_ids}
         if all(s in TERMINAL for s in statuses.values()):
             return statuses
         assert worker.proc is not None and worker.proc.poll() is None, f"the worker died:\n{worker.log_tail()}"
@@ -105,9 +107,9 @@ def wait_terminal(r: redis.Redis, job_ids: list[str], worker: WorkerProcess, tim
 def wait_drained(r: redis.Redis, worker: WorkerProcess, timeout_s: float = 30) -> None:
     """Until the queue and the in-flight set are empty."""
     deadline = time.monotonic() + timeout_s
-    while r.zcard(keys.queue("tiny-rel")) or r.zcard(keys.INFLIGHT):
+    while r.zcard(KS.queue("tiny-rel", 0)) or r.zcard(KS.inflight(0)):
         assert worker.proc is not None and worker.proc.poll() is None, f"the worker died:\n{worker.log_tail()}"
-        assert time.monotonic() < deadline, (r.zrange(keys.queue("tiny-rel"), 0, -1), r.zrange(keys.INFLIGHT, 0, -1))
+        assert time.monotonic() < deadline, (r.zrange(KS.queue("tiny-rel", 0), 0, -1), r.zrange(KS.inflight(0), 0, -1))
         time.sleep(0.1)
 
 
@@ -119,7 +121,7 @@ def test_garbage_pushed_into_redis_fails_cleanly_and_the_worker_keeps_serving(
         wait_config(r)  # the test's Redis was just flushed
         for _ in range(NUM_FUZZED):
             job_id = secrets.token_urlsafe(12)
-            job_keys = [keys.job(job_id), keys.queue("tiny-rel"), keys.queue_seq("tiny-rel"), keys.CONFIG]
+            job_keys = [KS.job(job_id), KS.queue("tiny-rel", 0), KS.queue_seq("tiny-rel", 0), KS.config(0)]
             try:
                 reply = r.eval(SUBMIT_LUA, 4, *job_keys, fuzzed_submission(rng, job_id))
             except redis.ResponseError:
@@ -130,10 +132,10 @@ def test_garbage_pushed_into_redis_fails_cleanly_and_the_worker_keeps_serving(
         hand_made = push_garbage_records(r)
 
         statuses = wait_terminal(r, created + hand_made, standing_worker)
-        errors = {job_id: (r.hget(keys.job(job_id), "error") or b"").decode() for job_id in statuses}
+        errors = {job_id: (r.hget(KS.job(job_id), "error") or b"").decode() for job_id in statuses}
         # The record-less entries and the binary id sort after every waited-for job: the worker drops them next.
         wait_drained(r, standing_worker)
-        assert r.hget(keys.job("\x00").encode().replace(b"\x00", b"\xff\xfe-binary-id"), "status") == b"failed"
+        assert r.hget(KS.job("\x00").encode().replace(b"\x00", b"\xff\xfe-binary-id"), "status") == b"failed"
 
     assert refused > 5 and len(created) > 50
     failed = [job_id for job_id, status in statuses.items() if status == "failed"]
@@ -145,7 +147,7 @@ def test_garbage_pushed_into_redis_fails_cleanly_and_the_worker_keeps_serving(
     with redis.Redis.from_url(redis_url) as r:
         job_id = secrets.token_urlsafe(12)
         body = json.dumps({"id": job_id, "model": "tiny-rel", "prompt": "Still here?", "params": {"max_tokens": 5}})
-        r.eval(SUBMIT_LUA, 4, keys.job(job_id), keys.queue("tiny-rel"), keys.queue_seq("tiny-rel"), keys.CONFIG, body)
+        r.eval(SUBMIT_LUA, 4, KS.job(job_id), KS.queue("tiny-rel", 0), KS.queue_seq("tiny-rel", 0), KS.config(0), body)
         assert wait_terminal(r, [job_id], standing_worker) == {job_id: "succeeded"}
     assert standing_worker.proc is not None and standing_worker.proc.poll() is None
 

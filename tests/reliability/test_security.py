@@ -26,6 +26,8 @@ from tests.queue.queue_helpers import make_job, queue_depth
 from tests.reliability.stack import MODEL, ApiProcess, follow, poll, submit
 from tests.worker.worker_process import WorkerProcess
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 
 PASSWORD = "pw-" + secrets.token_hex(12)
@@ -90,13 +92,13 @@ async def test_no_prompt_output_key_or_password_in_logs_and_no_api_key_in_redis(
     # A malformed job pushed into Redis by another backend: the worker's "invalid job" warning must not quote it.
     with redis.Redis.from_url(secured.redis.url) as r:
         raw_id = "raw-" + secrets.token_hex(8)
-        r.hset(keys.job(raw_id), mapping={"id": raw_id, "model": "tiny-rel", "status": "queued", "score": 0,
+        r.hset(KS.job(raw_id), mapping={"id": raw_id, "model": "tiny-rel", "status": "queued", "score": 0,
                                           "submission": json.dumps({"id": raw_id, "model": "tiny-rel", "prompt": marker,
                                                                     "messages": [{"role": "user",
                                                                                   "content": marker}]})})
-        r.zadd(keys.queue("tiny-rel"), {raw_id: 0})
+        r.zadd(KS.queue("tiny-rel", 0), {raw_id: 0})
         deadline = time.monotonic() + 30
-        while r.hget(keys.job(raw_id), "status") != b"failed":
+        while r.hget(KS.job(raw_id), "status") != b"failed":
             assert time.monotonic() < deadline, secured.worker.log_tail()
             time.sleep(0.05)
         stored = _all_values(r)

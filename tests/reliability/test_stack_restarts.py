@@ -17,14 +17,16 @@ from shared.launcher.redis_server import RedisServer
 from tests.reliability.stack import ApiProcess, Stream, assert_clean_stream, follow, poll, submit
 from tests.worker.worker_process import WorkerProcess
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 
 
 async def _wait_events(redis: Redis, job_id: str, count: int, timeout_s: float = 60) -> None:
     """Until the job's log holds ``count`` events, or the job ended (a quiet machine may finish it first)."""
     deadline = time.monotonic() + timeout_s
-    while int(await redis.hget(keys.job(job_id), "seq") or 0) < count:
-        if await redis.hget(keys.job(job_id), "status") in (b"succeeded", b"failed", b"cancelled"):
+    while int(await redis.hget(KS.job(job_id), "seq") or 0) < count:
+        if await redis.hget(KS.job(job_id), "status") in (b"succeeded", b"failed", b"cancelled"):
             return
         assert time.monotonic() < deadline, f"job {job_id} produced no tokens"
         await asyncio.sleep(0.02)
@@ -68,7 +70,7 @@ async def test_redis_restart_mid_run_api_and_workers_reconnect_and_nothing_is_lo
     _check_streams(streams, 200)
     assert [job["status"] for job in finals] == ["succeeded"] * 7
     async with Redis.from_url(redis_url) as redis:
-        assert await redis.zcard(keys.INFLIGHT) == 0 and await redis.zcard(keys.queue("tiny-rel")) == 0
+        assert await redis.zcard(KS.inflight(0)) == 0 and await redis.zcard(KS.queue("tiny-rel", 0)) == 0
     assert standing_worker.proc is not None and standing_worker.proc.poll() is None
     assert api_process.process is not None and api_process.process.proc.poll() is None
 
@@ -84,7 +86,7 @@ async def test_api_restart_clients_resume_with_last_event_id(api_process: ApiPro
             for sig in (signal.SIGKILL, signal.SIGTERM):
                 await asyncio.to_thread(api_process.kill, sig)  # in a thread: the clients keep trying meanwhile
                 await asyncio.to_thread(api_process.start)
-                await _wait_events(redis, job_ids[0], int(await redis.hget(keys.job(job_ids[0]), "seq")) + 5)
+                await _wait_events(redis, job_ids[0], int(await redis.hget(KS.job(job_ids[0]), "seq")) + 5)
 
         streams = await asyncio.wait_for(asyncio.gather(*streamed), 120)
         polls = await asyncio.wait_for(asyncio.gather(*polled), 120)

@@ -20,6 +20,8 @@ from shared import keys
 from tests.reliability.stack import ApiProcess, assert_clean_stream, follow, frozen, poll, submit, worker_log
 from tests.worker.worker_process import WorkerProcess
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The sea was", "Once upon a time", "In the beginning", "Dear diary,"]
@@ -47,7 +49,7 @@ async def _running_on(redis: Redis, job_ids: list[str], worker_id: str, min_even
     """The jobs running on ``worker_id`` that have published at least ``min_events`` events, with how many."""
     held = {}
     for job_id in job_ids:
-        status, wid, seq = await redis.hmget(keys.job(job_id), "status", "worker_id", "seq")
+        status, wid, seq = await redis.hmget(KS.job(job_id), "status", "worker_id", "seq")
         if status == b"running" and wid == worker_id.encode() and int(seq or 0) >= min_events:
             held[job_id] = int(seq)
     return held
@@ -65,7 +67,7 @@ async def _wait_running_on(redis: Redis, job_ids: list[str], worker: WorkerProce
 async def _wait_claimed(redis: Redis, job_ids: list[str], worker: WorkerProcess, timeout_s: float = 60) -> None:
     """Until every job was claimed by ``worker`` (running or already finished there)."""
     deadline = time.monotonic() + timeout_s
-    while {await redis.hget(keys.job(job_id), "worker_id") for job_id in job_ids} != {worker.worker_id.encode()}:
+    while {await redis.hget(KS.job(job_id), "worker_id") for job_id in job_ids} != {worker.worker_id.encode()}:
         assert time.monotonic() < deadline, worker.log_tail()
         await asyncio.sleep(0.02)
 
@@ -124,7 +126,7 @@ async def test_sigterm_under_load_drains_and_hands_back_the_rest_uncharged(
             assert await asyncio.to_thread(draining.wait, drain_timeout_s + 20) == 0, draining.log_tail()
             exit_s = time.monotonic() - signalled
             for job_id in long_ids:  # handed back uncharged: queued again, no crash counted, not isolated
-                fields = await redis.hmget(keys.job(job_id), "status", "attempts", "crashes", "isolate")
+                fields = await redis.hmget(KS.job(job_id), "status", "attempts", "crashes", "isolate")
                 assert fields == [b"queued", b"1", None, None], job_id
         finals = {job_id: (await poll(client, job_id))[0] for job_id in [*long_ids, *short_ids, queued_id]}
         streams = [await follow(client, job_id) for job_id in long_ids]
@@ -189,5 +191,5 @@ async def test_competing_workers_and_a_zombie_never_complete_a_job_twice(
 
 
 async def _log_events(redis: Redis, job_id: str) -> AsyncIterator[dict[str, Any]]:
-    for _, fields in await redis.xrange(keys.job_log(job_id)):
+    for _, fields in await redis.xrange(KS.job_log(job_id)):
         yield json.loads(fields[b"data"])

@@ -21,6 +21,8 @@ from tests.queue.queue_helpers import dead_letters
 from tests.worker.crashing_worker import CRASH_TOKEN_ID
 from tests.worker.worker_process import WorkerProcess
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
@@ -82,5 +84,5 @@ async def test_a_poison_job_is_dead_lettered_alone(private_redis_url: str, tiny_
         assert record.usage.completion_tokens == MAX_TOKENS
     # Once with the whole batch (not charged: every job isolated), once alone (charged: dead-lettered).
     assert crashes == 2
-    assert await redis.hget(keys.job(poison.id), "crashes") == b"1"
+    assert await redis.hget(KS.job(poison.id), "crashes") == b"1"
     await redis.aclose()

@@ -21,6 +21,8 @@ from shared.schemas import (
 from tests.queue.queue_helpers import make_job, worker_test_queue
 from tests.worker.worker_process import WorkerProcess, client_text, read_all, read_first, wait_final, wait_tokens
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 LONG = GenerationParams(max_tokens=400, temperature=0, ignore_eos=True)
 
@@ -90,7 +92,7 @@ async def test_kill_9_mid_generation_another_worker_finishes_with_the_same_greed
         assert released is not None and (released.status, released.attempts) == (JobStatus.QUEUED, 1)
         restart = await read_first(queue, long_job.id)
         assert isinstance(restart, RestartEvent) and restart.attempt == 2
-        assert await queue.redis.hmget(keys.job(long_job.id), "crashes", "isolate") == [None, None]
+        assert await queue.redis.hmget(KS.job(long_job.id), "crashes", "isolate") == [None, None]
         assert not {first.worker_id, second.worker_id} & {w.id for w in await queue.live_workers()}
     finally:
         first.stop()

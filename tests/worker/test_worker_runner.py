@@ -26,6 +26,8 @@ from worker.engine_thread import EngineThread
 from worker.main import engine_config
 from worker.runner import Runner
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 PUBLISH_DELAY_S = 0.1
 LEASE_S = 5.0
 NUM_TOKENS = 6
@@ -163,7 +165,7 @@ async def test_a_job_handed_back_to_the_same_worker_runs_to_the_end(served: tupl
     await queue.submit(job)
     while len(timeline.publishes) < 3:  # running, with deliveries in flight behind the steps
         await asyncio.sleep(0.01)
-    await queue.redis.zadd(keys.INFLIGHT, {job.id: 0})  # the lease expired ...
+    await queue.redis.zadd(KS.inflight(0), {job.id: 0})  # the lease expired ...
     assert [r.job_id for r in await queue.reap()] == [job.id]  # ... and the job is queued again (attempt 2)
 
     await _wait_final(queue, job.id, timeout_s=20)

@@ -24,6 +24,8 @@ from shared.schemas import (
 from tests.queue.queue_helpers import make_job, worker_test_queue
 from tests.worker.worker_process import WorkerProcess, client_text, read_all, wait_config, wait_final, wait_tokens
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 pytestmark = pytest.mark.slow
 LUA_SUBMIT = Path(__file__).resolve().parents[2] / "shared" / "lua" / "submit.lua"
 LONG = GenerationParams(max_tokens=400, temperature=0, ignore_eos=True)
@@ -116,10 +118,10 @@ async def test_bad_jobs_fail_clearly_and_the_worker_keeps_serving(tiny_worker: W
     await queue.submit(too_long)
     await queue.submit(bad_token)
     with redis.Redis.from_url(redis_url) as r:  # pushed by hand: a job for another model in this queue
-        r.hset(keys.job("wrongmodel-1"), mapping={
+        r.hset(KS.job("wrongmodel-1"), mapping={
             "id": "wrongmodel-1", "model": "tiny", "status": "queued", "score": 0, "attempts": 0, "fence": 0,
             "seq": 0, "submission": json.dumps({"id": "wrongmodel-1", "model": "other", "prompt": "x"})})
-        r.zadd(keys.queue("tiny"), {"wrongmodel-1": 0})
+        r.zadd(KS.queue("tiny", 0), {"wrongmodel-1": 0})
     chat = make_job(prompt=None, messages=[ChatMessage(role="user", content="Hi!")],
                     params=GenerationParams(max_tokens=5, temperature=0))
     await queue.submit(chat)
@@ -172,13 +174,13 @@ async def test_a_result_redis_refuses_fails_that_job_and_the_worker_keeps_servin
     """complete.lua raising a script error (here: the tenants' clock was made infinite by hand, so settling the
     job's tokens is refused) fails that job with the reason; the worker lives on and serves the next job."""
     params = GenerationParams(max_tokens=4, temperature=0)
-    await queue.redis.hset(keys.queue_vtime("tiny"), keys.tenant_of(None), "inf")
+    await queue.redis.hset(KS.queue_vtime("tiny", 0), keys.tenant_of(None), "inf")
     refused = make_job(model="tiny", params=params)
     await queue.submit(refused)
     record = await wait_final(queue, refused.id)
     assert record.status is JobStatus.FAILED and "refused" in (record.error or ""), record.error
 
-    await queue.redis.delete(keys.queue_vtime("tiny"))
+    await queue.redis.delete(KS.queue_vtime("tiny", 0))
     served = make_job(model="tiny", params=params)
     await queue.submit(served)
     assert (await wait_final(queue, served.id)).status is JobStatus.SUCCEEDED

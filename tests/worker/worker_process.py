@@ -16,6 +16,8 @@ from shared import keys
 from shared.queue import TRANSIENT_ERRORS, JobQueue
 from shared.schemas import JobRecord, RestartEvent, StreamEvent, TokenEvent
 
+KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -75,7 +77,7 @@ def wait_config(r: redis.Redis, timeout_s: float = 30.0) -> None:
     """Wait until ``ts:config`` is stored: tests flush Redis, and a worker stores it again at its next heartbeat
     (as every backend submitting with raw commands needs it, docs/protocol.md)."""
     deadline = time.monotonic() + timeout_s
-    while not r.exists(keys.CONFIG):
+    while not r.exists(KS.config(0)):
         assert time.monotonic() < deadline, "no worker stored ts:config again"
         time.sleep(0.05)
 
