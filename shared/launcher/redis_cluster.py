@@ -232,10 +232,11 @@ class LocalRedisCluster:
         self.wait_healthy(timeout_s)
 
     def flushall(self) -> None:
-        """Empty every master (replicas follow)."""
+        """Empty every master of keys and of scripts, as a fresh cluster is (replicas follow the keys)."""
         for master in self.masters():
             with self._client(master.port) as client:
                 client.flushall()
+                client.script_flush()
 
     def stop(self) -> None:
         """Stop every node (SIGTERM) and, if the data folder was ours, delete it."""
