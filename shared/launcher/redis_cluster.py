@@ -74,12 +74,12 @@ def cluster_support_problem() -> str | None:
         server = find_redis_server()
     except FileNotFoundError as exc:
         return str(exc)
-    if shutil.which("redis-cli") is None:
-        return "no redis-cli on PATH (it forms the cluster): install Redis 7 (apt-get install redis-server)"
     version = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=10).stdout
     match = re.search(r"v=(\d+)\.", version)
     if match is None or int(match.group(1)) < 7:
         return f"{server} is not Redis 7+ ({version.strip()!r}); a local cluster needs --cluster-port and SPUBLISH"
+    if shutil.which("redis-cli") is None:
+        return "no redis-cli on PATH (it forms the cluster): install Redis 7 (apt-get install redis-server)"
     return None
 
 
