@@ -1,6 +1,7 @@
-"""Shared fixtures: a private redis-server, tiny random-weight models and the real SmolLM2.
+"""Shared fixtures: a private redis-server, a private Redis Cluster, tiny random-weight models and the real SmolLM2.
 
-No in-memory Redis fakes and no mocks: queue and API tests talk to a real ``redis-server`` started here on a free port.
+No in-memory Redis fakes and no mocks: queue and API tests talk to a real ``redis-server`` started here on a free port,
+cluster tests to a real local cluster of ``redis-server`` nodes (3 masters, 1 replica each).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from shared.launcher.redis_cluster import LocalRedisCluster, cluster_support_problem
 from shared.launcher.redis_server import RedisServer
 
 SMOLLM2_VOCAB = 49152  # tiny models share SmolLM2's tokenizer, so text round-trips
@@ -35,6 +37,30 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     client.flushall()
     client.close()
     yield redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """One local Redis Cluster (3 masters, 1 replica each) for the whole run, started on first use (~2.3 s).
+
+    Skipped where redis-server/redis-cli cannot make one (no redis-cli, or Redis older than 7). Fault tests may
+    ``kill_master(i)``; ``redis_cluster_url`` revives killed nodes (as replicas) before the next test.
+    """
+    problem = cluster_support_problem()
+    if problem is not None:
+        pytest.skip(f"no local Redis Cluster here: {problem}")
+    cluster = LocalRedisCluster(num_masters=3, replicas=1, data_dir=tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture()
+def redis_cluster_url(redis_cluster: LocalRedisCluster) -> str:
+    """The test cluster's ``redis+cluster://`` URL: whole again (killed nodes revived) and every master flushed."""
+    redis_cluster.revive()
+    redis_cluster.flushall()
+    return redis_cluster.url
 
 
 def _save_tiny(kind: str, out: Path, vocab_size: int = SMOLLM2_VOCAB) -> Path:

@@ -12,7 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,12 @@ class RedisServer:
         binary: str | None = None,
         detached: bool = False,
         preexec_fn: Callable[[], object] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         """``detached`` puts the server in its own session so a terminal's Ctrl-C reaches only our supervisor,
         which can then stop Redis last, after the workers have drained; ``preexec_fn`` runs in the child
-        before exec (e.g. to ask for a signal when the parent dies)."""
+        before exec (e.g. to ask for a signal when the parent dies); ``extra_args`` are more ``--option value``
+        pairs, appended last so they win (a cluster node's ``--cluster-enabled yes``)."""
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -64,6 +66,7 @@ class RedisServer:
         self.binary = binary or find_redis_server()
         self.detached = detached
         self.preexec_fn = preexec_fn
+        self.extra_args = tuple(extra_args)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -90,7 +93,7 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        return args
+        return args + list(self.extra_args)
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
