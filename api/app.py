@@ -27,6 +27,7 @@ from api.routes.console import install_console
 from api.tokenization import ModelCatalog
 from shared.config import Settings
 from shared.queue import JobQueue
+from shared.redis_client import is_cluster_url, open_client
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # A bounded pool: a burst of requests (10,000 streams opening at once) waits for a connection rather than
     # opening one each; every open stream's live events come over one shared pub/sub connection
     # (shared/live_channels.py), so open streams hold no connection of their own.
-    pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, health_check_interval=30,
-                                                    max_connections=settings.redis_max_connections, timeout=30)
-    client = aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
+    if is_cluster_url(settings.redis_url):  # per node: a pool of up to redis_max_connections
+        client = await open_client(settings.redis_url, max_connections=settings.redis_max_connections)
+    else:
+        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, health_check_interval=30,
+                                                        max_connections=settings.redis_max_connections, timeout=30)
+        client = aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
     queue = JobQueue(client, settings)
     app.state.resources = Resources(redis=client, queue=queue,
                                     catalog=ModelCatalog(queue, settings.served_model_name,

@@ -97,7 +97,7 @@ def measure(base_url: str, api_pid: int, r: redis.Redis, streams: int) -> dict[s
         holder = asyncio.create_task(_hold(base_url, ids, opened, release))
         await opened.wait()
         began = time.monotonic()
-        await asyncio.to_thread(_wait, lambda: len(r.pubsub_channels("ts:job:*:live")) >= streams, 600,
+        await asyncio.to_thread(_wait, lambda: len(r.pubsub_shardchannels("ts:job:*:live")) >= streams, 600,
                                 "every stream subscribed")
         row = {"streams": streams, "open_s": time.monotonic() - began,
                "api_rss_mib": _rss_kib(api_pid) / 1024,
@@ -107,7 +107,8 @@ def measure(base_url: str, api_pid: int, r: redis.Redis, streams: int) -> dict[s
                "redis_bytes_per_stream": (int(r.info("memory")["used_memory"]) - used_before) / streams}
         release.set()
         row["answered_200"] = await holder
-        await asyncio.to_thread(_wait, lambda: not r.pubsub_channels("ts:job:*:live"), 120, "every channel released")
+        await asyncio.to_thread(_wait, lambda: not r.pubsub_shardchannels("ts:job:*:live"), 120,
+                                "every channel released")
         return row
 
     row = asyncio.run(run())

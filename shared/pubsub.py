@@ -16,14 +16,17 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 10.0
-# Redis errors a stream or channel listener rides out by reconnecting.
-TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# Redis errors a stream or channel listener (and a worker's writes) ride out by reconnecting and retrying: a lost
+# connection, and on a Redis Cluster the moments of a failover (no master for a slot yet, a slot moving).
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError,
+                    SlotNotCoveredError, ClusterError)
 
 
 async def subscribe_confirmed(pubsub: PubSub, channels: Sequence[str]) -> None:

@@ -12,9 +12,11 @@ slot has no master (``require_full_coverage``), so a half-configured cluster fai
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 from urllib.parse import SplitResult, urlsplit
 
+import redis
+import redis.cluster
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import parse_url
@@ -39,6 +41,24 @@ def connect(url: str, **kwargs: Any) -> Redis | RedisCluster:
     return Redis.from_url(url, **kwargs)
 
 
+async def open_client(url: str, **kwargs: Any) -> Redis:
+    """``connect``, and for a cluster its slot map loaded now (sharded pub/sub needs it before a first command).
+    Typed as ``Redis``: a ``RedisCluster`` answers the same commands, which is all the queue code uses."""
+    client = connect(url, **kwargs)
+    if isinstance(client, RedisCluster):
+        await client.initialize()
+    return cast(Redis, client)
+
+
+def connect_sync(url: str, **kwargs: Any) -> redis.Redis:
+    """A blocking client for ``url`` (tools, tests, benchmarks): ``redis.RedisCluster`` for a cluster URL, typed
+    as ``redis.Redis`` for the same reason as ``open_client``."""
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url, **kwargs)
+    nodes = [redis.cluster.ClusterNode(host, port) for host, port in parse_startup_nodes(url)]  # type: ignore[no-untyped-call]
+    return cast(redis.Redis, redis.RedisCluster(startup_nodes=nodes, **_cluster_options(url), **kwargs))
+
+
 def parse_startup_nodes(url: str) -> list[tuple[str, int]]:
     """The (host, port) pairs of a cluster URL, in order; ValueError when there are none or a port is bad."""
     parts = urlsplit(url)
@@ -56,6 +76,13 @@ def parse_startup_nodes(url: str) -> list[tuple[str, int]]:
 
 
 def _connect_cluster(url: str, **kwargs: Any) -> RedisCluster:
+    kwargs.update(_cluster_options(url))
+    kwargs.setdefault("require_full_coverage", True)
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in parse_startup_nodes(url)], **kwargs)
+
+
+def _cluster_options(url: str) -> dict[str, Any]:
+    """The client options of a cluster URL (credentials, TLS, query string), parsed once by redis-py."""
     parts = urlsplit(url)
     if parts.path not in ("", "/", "/0"):
         raise ValueError(f"redis_url: a cluster has only database 0, got path {parts.path!r}")
@@ -71,9 +98,7 @@ def _connect_cluster(url: str, **kwargs: Any) -> RedisCluster:
     options.pop("port", None)
     if options.pop("connection_class", None) is not None:  # only rediss:// sets it: SSLConnection
         options["ssl"] = True
-    kwargs.update(options)
-    kwargs.setdefault("require_full_coverage", True)
-    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in startup_nodes], **kwargs)
+    return options
 
 
 def _redacted(parts: SplitResult) -> str:

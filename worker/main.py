@@ -15,11 +15,11 @@ import socket
 from collections.abc import Callable
 
 import transformers
-from redis.asyncio import Redis
 
 from shared.config import Settings, no_tokenizer_thread_pool
 from shared.logging_setup import configure_logging
 from shared.queue import JobQueue
+from shared.redis_client import open_client
 from worker.engine import Engine, EngineConfig
 from worker.engine_thread import EngineThread
 from worker.metrics import WorkerMetrics
@@ -77,7 +77,7 @@ def run_worker(settings: Settings, make_engine: Callable[[EngineConfig], Engine]
 async def _serve(settings: Settings, engine: Engine, engine_thread: EngineThread, worker_id: str,
                  metrics: WorkerMetrics) -> int:
     assert settings.redis_url is not None
-    redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, health_check_interval=15)
+    redis = await open_client(settings.redis_url, socket_connect_timeout=5, health_check_interval=15)
     runner = Runner(engine, engine_thread, JobQueue(redis, settings), settings, worker_id, metrics=metrics)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -19,37 +19,64 @@ const CANCEL = `${lua('lib')}\n${lua('cancel')}`; // cancel.lua runs with the li
 const TERMINAL = new Set(['succeeded', 'failed', 'cancelled', 'expired']);
 const PAGE = 256;
 
-// The key layout (docs/protocol.md, "Keys").
-const keys = {
-  job: (id) => `ts:job:{${id}}`,
-  log: (id) => `ts:job:{${id}}:log`,
-  live: (id) => `ts:job:{${id}}:live`,
-  queue: (model) => `ts:queue:{${model}}`,
-  seq: (model) => `ts:queue:{${model}}:seq`,
-  idem: (owner, key) => `ts:idem:${owner || '-'}:${key}`,
-  config: 'ts:config',
-  inflight: 'ts:inflight',
-};
+// CRC16-XMODEM, the checksum Redis Cluster maps keys to slots with: a job's queue shard is CRC16(id) mod shards.
+function crc16(text) {
+  let crc = 0;
+  for (const byte of Buffer.from(text, 'utf8')) {
+    crc ^= byte << 8;
+    for (let i = 0; i < 8; i += 1) crc = crc & 0x8000 ? ((crc << 1) ^ 0x1021) & 0xffff : (crc << 1) & 0xffff;
+  }
+  return crc;
+}
+
+// The key layout (docs/protocol.md, "Keys"): every key of a job carries its shard's hash tag. `tags` is what
+// ts:shards holds (the shard tags in order; ['0'] with one shard).
+function keyLayout(tags) {
+  const tagOf = (routingKey) => tags[crc16(routingKey) % tags.length];
+  return {
+    shardOf: (routingKey) => crc16(routingKey) % tags.length,
+    job: (id) => `ts:job:{${tagOf(id)}}:${id}`,
+    log: (id) => `ts:job:{${tagOf(id)}}:${id}:log`,
+    live: (id) => `ts:job:{${tagOf(id)}}:${id}:live`,
+    queue: (id, model) => `ts:queue:{${tagOf(id)}}:${model}`,
+    seq: (id, model) => `ts:queue:{${tagOf(id)}}:${model}:seq`,
+    idem: (id, owner, key) => `ts:idem:{${tagOf(id)}}:${owner || '-'}:${key}`,
+    config: (id) => `ts:config:{${tagOf(id)}}`,
+    inflight: (id) => `ts:inflight:{${tagOf(id)}}`,
+  };
+}
+let keys; // set in main() from ts:shards
 
 const newId = () => randomBytes(16).toString('hex'); // 128 random bits, as the protocol asks
+// With an idempotency key the job must be in the shard of "<owner or ->:<key>" (a retry finds the first job):
+// draw ids until one is (about as many draws as there are shards).
+function newIdFor(owner, idempotencyKey) {
+  const shard = keys.shardOf(`${owner || '-'}:${idempotencyKey}`);
+  for (;;) {
+    const id = newId();
+    if (keys.shardOf(id) === shard) return id;
+  }
+}
 const pairs = (flat) => Object.fromEntries(Array.from({ length: flat.length / 2 }, (_, i) => [flat[2 * i], flat[2 * i + 1]]));
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 // submit.lua: KEYS record, queue, counter, config (+ the idempotency key exactly when the JSON names one); ARGV the
 // submission. Replies ['created' | 'existing', [field, value, ...]] or ['full', depth]; errors are thrown.
 async function submit(client, submission) {
-  const jobKeys = [keys.job(submission.id), keys.queue(submission.model), keys.seq(submission.model), keys.config];
-  if (submission.idempotency_key) jobKeys.push(keys.idem(submission.owner, submission.idempotency_key));
+  const { id, model } = submission;
+  const jobKeys = [keys.job(id), keys.queue(id, model), keys.seq(id, model), keys.config(id)];
+  if (submission.idempotency_key) jobKeys.push(keys.idem(id, submission.owner, submission.idempotency_key));
   const [outcome, body] = await client.eval(SUBMIT, { keys: jobKeys, arguments: [JSON.stringify(submission)] });
   return outcome === 'full' ? { outcome, depth: Number(body) } : { outcome, record: pairs(body) };
 }
 
 async function cancel(client, id) {
-  const flat = await client.eval(CANCEL, { keys: [keys.job(id), keys.inflight, keys.config], arguments: [id] });
+  const flat = await client.eval(CANCEL, { keys: [keys.job(id), keys.inflight(id), keys.config(id)], arguments: [id] });
   return flat.length ? pairs(flat) : null; // empty: no such job
 }
 
-// Events after `afterSeq`, in seq order, each once: subscribe to the live channel first, then read the log a page
+// Events after `afterSeq`, in seq order, each once: subscribe to the live shard channel first (SSUBSCRIBE), then
+// read the log a page
 // at a time; take live events while they follow on, and go back to the log after a gap or a quiet second.
 // `stopAfter` ends early (a simulated disconnect); the caller resumes from the last seq it saw.
 async function follow(client, id, afterSeq, onEvent, stopAfter = Infinity) {
@@ -57,7 +84,7 @@ async function follow(client, id, afterSeq, onEvent, stopAfter = Infinity) {
   await subscriber.connect();
   const live = [];
   let wake = () => {};
-  await subscriber.subscribe(keys.live(id), (message) => { live.push(JSON.parse(message)); wake(); });
+  await subscriber.sSubscribe(keys.live(id), (message) => { live.push(JSON.parse(message)); wake(); });
   let last = afterSeq;
   let taken = 0;
   let finished = false;
@@ -80,7 +107,7 @@ async function follow(client, id, afterSeq, onEvent, stopAfter = Infinity) {
       }
     }
   } finally {
-    await subscriber.unsubscribe();
+    await subscriber.sUnsubscribe();
     subscriber.destroy();
   }
   return last;
@@ -103,14 +130,15 @@ async function main() {
   const owner = apiKey ? createHash('sha256').update(apiKey).digest('hex') : undefined;
   const client = createClient({ url: process.env.REDIS_URL ?? 'redis://127.0.0.1:6379' });
   await client.connect();
+  keys = keyLayout(((await client.get('ts:shards')) ?? '0').split(','));
   const summary = {};
   try {
     // 1. Submit with a priority and an idempotency key; the same key again returns the first job.
     const idempotencyKey = `node-example-${newId()}`;
-    const job = { id: newId(), model, prompt: 'Once upon a time', priority: 5, idempotency_key: idempotencyKey,
+    const job = { id: newIdFor(owner, idempotencyKey), model, prompt: 'Once upon a time', priority: 5, idempotency_key: idempotencyKey,
                   params: { max_tokens: 24, temperature: 0 }, ...(owner && { owner }) };
     const first = await submit(client, job);
-    const again = await submit(client, { ...job, id: newId() });
+    const again = await submit(client, { ...job, id: newIdFor(owner, idempotencyKey) });
     Object.assign(summary, { id: job.id, outcome: first.outcome, priority: first.record.priority,
                              again: again.outcome, again_id: again.record.id });
 

@@ -6,11 +6,12 @@
 -- KEYS[4] config        ts:config:{<tag>} (the shard's key layout, the queue cap and the result TTL, stored by the
 --         service)
 -- KEYS[5] idempotency key ts:idem:{<tag>}:<owner or ->:<idempotency_key> exactly when the submission has an
---         idempotency_key; absent or '' otherwise
+--         idempotency_key; absent otherwise. An optional key that is followed by given ones is absent when it is
+--         '' (single node) or KEYS[1] again (any Redis, Cluster included)
 -- KEYS[6..8] (optional, together) the tenant's sub-queue ts:queue:{<tag>}:<model>:tenant:<owner or ->, the
 --         model's tenants ts:queue:{<tag>}:<model>:tenants and deadlines ts:queue:{<tag>}:<model>:deadlines (fair
 --         share and queue timeouts; a job submitted without them joins them when it reaches the head of the queue)
--- KEYS[9] (optional, '' for none) the owner's recent-jobs index ts:owner:{<tag>}:<owner or ->:jobs: the job joins it
+-- KEYS[9] (optional) the owner's recent-jobs index ts:owner:{<tag>}:<owner or ->:jobs: the job joins it
 --         (scored by created_at); it keeps the config's owner_jobs_keep newest and expires result_ttl_s later
 -- KEYS[10] (optional) the tenant's rate budget ts:queue:{<tag>}:<model>:rate:<owner or ->
 -- ARGV[1] JobSubmission JSON (shared/schemas.py); ARGV[2] (optional) the tenant's fair-share weight (default 1);
@@ -27,7 +28,9 @@ if #cfg == 0 then
 end
 local c = {}
 for i = 1, #cfg, 2 do c[cfg[i]] = cfg[i + 1] end
-local function given(i) return KEYS[i] ~= nil and KEYS[i] ~= '' end
+-- An optional key is absent when missing, '' or KEYS[1] (a key in the job's slot: a Redis Cluster refuses '',
+-- which hashes to slot 0, beside keys of another slot).
+local function given(i) return KEYS[i] ~= nil and KEYS[i] ~= '' and KEYS[i] ~= KEYS[1] end
 
 local ok, sub = pcall(cjson.decode, ARGV[1])
 if not ok or type(sub) ~= 'table' then

@@ -63,7 +63,9 @@ class ClientSide(QueueBase):
         if ks.shard_of(job.id) != shard:
             raise ValueError(f"id: job id {job.id} maps to queue shard {ks.shard_of(job.id)}, but this submission "
                              f"goes to shard {shard} (make its id with job_id_for)")
-        idem = ks.idempotency(job.owner, job.idempotency_key, shard) if job.idempotency_key is not None else ""
+        # An absent optional key is the job's own key again (a cluster refuses '', which is in another slot).
+        idem = (ks.idempotency(job.owner, job.idempotency_key, shard) if job.idempotency_key is not None
+                else ks.job(job.id))
         job_keys = [ks.job(job.id), ks.queue(model, shard), ks.queue_seq(model, shard), ks.config(shard), idem,
                     ks.queue_tenant(model, tenant, shard), ks.queue_tenants(model, shard),
                     ks.queue_deadlines(model, shard), ks.owner_jobs(job.owner, shard)]

@@ -181,7 +181,8 @@ class WorkerSide(QueueBase):
             calls.append((job_keys, args))
         try:
             replies = await self._publish_pipeline(calls)
-        except NoScriptError:  # Redis restarted and lost its scripts: nothing ran; load it and send again
+        except NoScriptError:  # Redis restarted (or a replica took over) without its scripts: load it (on every
+            # master of a cluster) and send again; a call that did run skips the events it already published
             await self._redis.script_load(self._scripts.publish_step.script)
             replies = await self._publish_pipeline(calls)
         published = [False] * len(jobs)
@@ -195,7 +196,8 @@ class WorkerSide(QueueBase):
         sha = self._scripts.publish_step.sha
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_keys, args in calls:
-                pipe.evalsha(sha, len(job_keys), *job_keys, *args)
+                # execute_command: a cluster pipeline refuses .evalsha(), but routes a raw EVALSHA by its keys.
+                pipe.execute_command("EVALSHA", sha, len(job_keys), *job_keys, *args)
             return list(await pipe.execute())
 
     async def complete(self, job_id: str, fence: int, result: JobResult) -> bool:

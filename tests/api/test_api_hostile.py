@@ -39,7 +39,7 @@ def test_a_batch_retried_after_a_429_is_created_afresh(start_api: Callable[..., 
         assert refused.status_code == 429
         with redis.Redis.from_url(api.settings.redis_url or "") as r:
             assert r.zcard(KS.queue(MODEL, 0)) == 1, "the refused batch left jobs queued"
-            assert r.keys(f"{keys.IDEMPOTENCY_PREFIX}*") == [], "the refused batch left idempotency keys behind"
+            assert r.keys("ts:idem:*") == [], "the refused batch left idempotency keys behind"
         assert client.delete(f"/v1/jobs/{blocker}").json()["status"] == "cancelled"
 
         retried = client.post("/v1/jobs/batch", json=batch)

@@ -20,7 +20,7 @@ def _pubsub_clients(r: redis.Redis) -> int:
 
 
 def _live_channels(r: redis.Redis) -> int:
-    return len(r.pubsub_channels("ts:job:*:live"))
+    return len(r.pubsub_shardchannels("ts:job:*:live"))
 
 
 async def _stream(client: httpx.AsyncClient, job_id: str) -> str:

@@ -14,6 +14,7 @@ import redis
 
 from shared import keys
 from shared.queue import TRANSIENT_ERRORS, JobQueue
+from shared.redis_client import connect_sync
 from shared.schemas import JobRecord, RestartEvent, StreamEvent, TokenEvent
 
 KS = keys.Keyspace()  # the key layout of one queue shard, what these tests run with
@@ -46,7 +47,7 @@ class WorkerProcess:
             self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=self.env, cwd=REPO,
                                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
-        with redis.Redis.from_url(self.redis_url) as client:
+        with connect_sync(self.redis_url) as client:
             while client.zscore(keys.WORKERS, self.worker_id) is None:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"worker {self.worker_id} did not start:\n{self.log_tail()}")
