@@ -58,6 +58,7 @@ def test_fill_pads_rows_past_the_batch(tiny_llama: Path) -> None:
     assert static.index.to_logical[0, [3, 5, 7]].tolist() == [0, 1, -1]
 
 
+@pytest.mark.slow  # ~30 s with a cold inductor cache (compiling flex for 4 shapes)
 @pytest.mark.parametrize("dtype", ["float32", None])
 def test_padded_decode_gives_the_tokens_of_the_unpadded_path(tiny_llama: Path, dtype: str | None) -> None:
     """Three requests of different lengths: decode batches of 3 and then fewer rows, padded to buckets 4, 2, 1.

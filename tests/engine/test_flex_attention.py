@@ -95,6 +95,7 @@ def test_kernel_tiles_divide_the_block_size_on_cuda_only() -> None:
     assert [kernel_options(cuda, b) for b in (16, 32, 128)] == [{"BLOCK_N": 16}, {"BLOCK_N": 32}, {"BLOCK_N": 64}]
 
 
+@pytest.mark.slow  # ~45 s with a cold inductor cache on the 2-core test machine, most of it compiling
 def test_engine_on_compiled_flex_matches_generate(tiny_llama: Path) -> None:
     """fp32 through transformers' forward, so the reference is ``generate`` token for token, as for the default
     backend (test_engine_parity.py): queueing, chunked prefill and preemption over the same workload shape."""
