@@ -44,6 +44,7 @@ ANCHOR_TARGET = 5.0  # engine tokens/s over transformers' continuous batching at
 # fp32 must match token for token; in lower precision near-tied logits may flip a token, so we ask 75% agreement.
 MIN_AGREEMENT = {torch.float32: 1.0}
 LOW_PRECISION_AGREEMENT = 0.75
+DECODE_WARMUP_STEPS = 3
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -76,7 +77,8 @@ def decode_vs_bandwidth(engine, hf, batches: list[int], bandwidth_tbs: float, pe
     bound = parameter_bytes(hf) / (bandwidth_tbs * 1e12)
     rows = []
     for batch in batches:
-        e = decode_step_efficiency(engine, hf.config, batch, rate_gflops=peak_tflops * 1e3, steps=16)
+        e = decode_step_efficiency(engine, hf.config, batch, rate_gflops=peak_tflops * 1e3, steps=16,
+                                   warmup_steps=DECODE_WARMUP_STEPS)
         rows.append({"batch": batch, "step_ms": e["step_seconds"] * 1e3, "bound_ms": bound * 1e3,
                      "x_bound": e["step_seconds"] / bound, "tokens_per_s": batch / e["step_seconds"],
                      "fraction_of_peak": e["fraction_of_matmul"]})
@@ -144,10 +146,12 @@ def check_shape(name: str, args: argparse.Namespace) -> dict:
         save_model_folder(hf, Path(folder))
         engine = Engine(EngineConfig(model=folder, device=args.device, dtype=args.dtype, max_num_seqs=256,
                                      max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
-                                     kv_cache_bytes=args.kv_gib << 30))
+                                     kv_cache_bytes=args.kv_gib << 30, attention_backend=args.attention,
+                                     cuda_graphs=args.cuda_graphs))
     setup_s = time.perf_counter() - start
     run_engine(engine, [Req(list(range(3, 35)), 8)])  # warm-up: first-call allocations and kernel selection
-    result: dict = {"shape": vars(shape), "parameter_bytes": parameter_bytes(hf), "seconds": {"setup": setup_s}}
+    result: dict = {"shape": vars(shape), "parameter_bytes": parameter_bytes(hf), "seconds": {"setup": setup_s},
+                    "attention_backend": engine.runner.attention_backend, "cuda_graphs": engine.runner.cuda_graphs}
     checks = (
         ("parity", check_parity, (engine, hf, shape.vocab_size, 4, 16 if tiny else 32)),
         ("decode", decode_vs_bandwidth, (engine, hf, args.batches, args.bandwidth_tbs, args.peak_tflops)),
@@ -187,7 +191,9 @@ def render_table(report: dict) -> str:
     """The per-shape numbers as a markdown table, for the console and docs/performance.md."""
     lines = [f"device: {report['device_name']} ({report['device']}, {report['dtype']}); torch {report['torch']}, "
              f"transformers {report['transformers']}; bounds: {report['bandwidth_tbs']} TB/s, "
-             f"{report['peak_tflops']} TFLOP/s", "",
+             f"{report['peak_tflops']} TFLOP/s",
+             "engine: " + "; ".join(f"{n}: attention {s.get('attention_backend')}, cuda graphs {s.get('cuda_graphs')}"
+                                    for n, s in report["shapes"].items()), "",
              "| shape | parity | " + " | ".join(f"decode b{b} ms (x bound)" for b in report["batches"])
              + f" | prefill tok/s (of peak) | {report['concurrent']} concurrent: engine / transformers CB tok/s |",
              "|---|---|" + "---:|" * (len(report["batches"]) + 2)]
@@ -211,6 +217,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shapes", default=None, help="comma-separated, default: smollm2-135m,llama-1b")
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--concurrent", type=int, default=64)
+    parser.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex"),
+                        help="EngineConfig.attention_backend (auto: flex on CUDA, sdpa on CPU)")
+    parser.add_argument("--cuda-graphs", default="auto", choices=("auto", "off", "on", "padded"),
+                        help="EngineConfig.cuda_graphs (auto: on with CUDA, flex and the own decoder)")
     parser.add_argument("--bandwidth-tbs", type=float, default=H200_BANDWIDTH_TBS)
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/gpu_check.json or "

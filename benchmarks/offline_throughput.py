@@ -174,8 +174,10 @@ def run_engine(engine, reqs: list[Req]) -> float:
     return elapsed
 
 
-def decode_step_efficiency(engine, config, batch: int, rate_gflops: float, steps: int = 16) -> dict[str, float]:
-    """Time steady-state decode steps at ``batch`` running requests; FLOPs achieved vs the matmul rate."""
+def decode_step_efficiency(engine, config, batch: int, rate_gflops: float, steps: int = 16,
+                           warmup_steps: int = 0) -> dict[str, float]:
+    """Time steady-state decode steps at ``batch`` running requests; FLOPs achieved vs the matmul rate.
+    ``warmup_steps`` untimed decode steps first (a CUDA graph's capture, a kernel's compilation for the shape)."""
     from worker.engine import SamplingParams
 
     prompt_len = 64
@@ -184,13 +186,15 @@ def decode_step_efficiency(engine, config, batch: int, rate_gflops: float, steps
         engine.add_request(f"decode-{i}", [5 + (i + j) % 1000 for j in range(prompt_len)], params)
     while sum(1 for _ in engine.step()) < batch:  # until every request has its first token (prefill done)
         pass
+    for _ in range(warmup_steps):
+        engine.step()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     seconds = (time.perf_counter() - start) / steps
     for i in range(batch):
         engine.abort(f"decode-{i}")
-    flops = batch * model_flops_per_token(config, prompt_len + steps)
+    flops = batch * model_flops_per_token(config, prompt_len + warmup_steps + steps)
     gflops = flops / seconds / 1e9
     return {"batch": batch, "step_seconds": seconds, "gflops": gflops, "fraction_of_matmul": gflops / rate_gflops}
 

@@ -71,6 +71,7 @@ def test_tiny_cpu_run_covers_every_check(tmp_path: Path) -> None:
     assert list(report["shapes"]) == ["smollm2-tiny", "llama-1b-tiny"]
     for shape in report["shapes"].values():
         assert shape["parity"]["agreement"] == 1.0 and shape["parity"]["ok"]  # fp32: token for token
+        assert (shape["attention_backend"], shape["cuda_graphs"]) == ("sdpa", "off")
         bound_ms = shape["parameter_bytes"] / 4.3e12 * 1e3
         assert [d["batch"] for d in shape["decode"]] == [1, 4]
         assert all(d["bound_ms"] == pytest.approx(bound_ms) and d["step_ms"] > bound_ms for d in shape["decode"])
@@ -81,3 +82,16 @@ def test_tiny_cpu_run_covers_every_check(tmp_path: Path) -> None:
     assert set(report["targets"]) == {"decode_batch1_x_bound", "concurrent_x_transformers_cb"}
     table = render_table(report)
     assert "| smollm2-tiny | 100% (ok) |" in table and "8 concurrent" in table
+    assert "smollm2-tiny: attention sdpa, cuda graphs off" in table  # CPU's auto: today's path
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_tiny_cpu_run_on_the_flex_backend(tmp_path: Path) -> None:
+    """The CUDA configuration's attention on CPU (compiled by inductor): parity still token for token in fp32."""
+    out = tmp_path / "gpu_check.json"
+    assert main(["--device", "cpu", "--tiny", "--shapes", "smollm2-tiny", "--batches", "1,4", "--concurrent", "4",
+                 "--attention", "flex", "--out", str(out)]) == 0
+    shape = json.loads(out.read_text())["shapes"]["smollm2-tiny"]
+    assert (shape["attention_backend"], shape["cuda_graphs"]) == ("flex", "off")  # fp32: transformers' forward
+    assert shape["parity"]["agreement"] == 1.0 and shape["concurrent"]["engine_tps"] > 0

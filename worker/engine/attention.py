@@ -9,6 +9,8 @@ Two groups, each vectorised:
   sharing cached prefix blocks attend to them once (cascade attention), the rest in length buckets;
 - multi-token prefill chunks: one SDPA per chunk (a step has few, because of the token budget), causal, with an
   offset mask when earlier chunks of the same prompt are already cached.
+With ``attention_backend="flex"`` both groups go through FlexAttention instead (``flex_attention.py``), which
+reads the blocks in place: the metadata then carries a ``FlexStep`` and no decode groups or prefill chunks.
 
 Per-step state reaches the function as a keyword argument (``paged_context``) that transformers passes through
 the model's ``**kwargs``; so the registered function is stateless and one registration serves every engine.
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from worker.engine.decode_attention import DecodeBatch, attend_decode
+from worker.engine.flex_attention import FlexStep, attend_flex
 from worker.engine.kv_cache import KVCache
 
 PAGED_ATTENTION_NAME = "tokenspool_paged"
@@ -46,6 +49,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
     decode: DecodeBatch | None  # the single-token queries, None when the step has none
     prefills: tuple[PrefillChunk, ...]
+    flex: FlexStep | None = None  # the flex backend's calls (then ``decode`` is None and ``prefills`` empty)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     meta = ctx.metadata
     ctx.kv_cache.write(layer, meta.slot_mapping, key, value)
     out = torch.empty_like(query)
+    if meta.flex is not None:
+        attend_flex(layer, query, meta.flex, ctx.kv_cache, scale, out)
     if meta.decode is not None:
         attend_decode(layer, query, meta.decode, ctx.kv_cache, scale, out)
     for chunk in meta.prefills:

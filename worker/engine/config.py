@@ -20,6 +20,8 @@ CUDA_FREE_FRACTION = 0.9  # of the memory still free after the weights are loade
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 QUANTIZATIONS = (None, "none", "auto", "int8", "int4")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
 # tiles. AVX512-BF16 alone does not (Xeon model 207 without AMX, SmolLM2 decode at 32 rows: bf16 steps 7-13%
 # slower than float32, none faster at 1 row; docs/performance.md).
@@ -60,6 +62,13 @@ class EngineConfig:
     target's tokenizer); each decoding request proposes up to ``num_speculative_tokens`` tokens per step, but only
     while at most ``speculative_max_batch`` requests run (above that verification costs more than it saves; see
     docs/performance.md). ``ngram_min``/``ngram_max``: the suffix lengths prompt lookup tries, longest first.
+    ``attention_backend``: ``"sdpa"`` (gathered K/V, SDPA and cascade groups: ``decode_attention.py``), ``"flex"``
+    (FlexAttention reading the blocks in place, compiled: ``flex_attention.py``) or ``"auto"``: flex on CUDA,
+    sdpa elsewhere (on CPU flex compiles each new shape for ~10 s and the gathered path is tuned for it).
+    ``cuda_graphs``: decode-only steps replayed from a CUDA graph per batch-size bucket (``cuda_graphs.py``):
+    ``"on"`` (CUDA with flex), ``"off"``, ``"padded"`` (the same static, padded buffers without the capture, on
+    any device: the graph path's arithmetic, testable on CPU) or ``"auto"``: on with CUDA, the flex backend and
+    the engine's own decoder, else off.
     """
 
     model: str = "smollm2"
@@ -81,6 +90,8 @@ class EngineConfig:
     ngram_max: int = 4
     num_threads: int | None = None
     quantization: str | None = None
+    attention_backend: str = "auto"
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", "a model name or path", self.model)
@@ -108,6 +119,12 @@ class EngineConfig:
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1", self.num_threads)
         _check(self.quantization in QUANTIZATIONS, "quantization", "None, 'none', 'auto', 'int8' or 'int4'",
                self.quantization)
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", "'auto', 'sdpa' or 'flex'",
+               self.attention_backend)
+        _check(self.cuda_graphs in CUDA_GRAPH_MODES, "cuda_graphs", "'auto', 'off', 'on' or 'padded'",
+               self.cuda_graphs)
+        _check(self.cuda_graphs not in ("on", "padded") or self.attention_backend != "sdpa", "cuda_graphs",
+               "'auto' or 'off' with attention_backend 'sdpa' (graphs need flex's static shapes)", self.cuda_graphs)
 
 
 @dataclass(frozen=True)
@@ -147,6 +164,22 @@ def pick_device(config: EngineConfig) -> torch.device:
     if config.device is not None:
         return torch.device(config.device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_attention_backend(config: EngineConfig, device: torch.device) -> str:
+    """``"flex"`` or ``"sdpa"``: the configured one; ``"auto"`` is flex on CUDA, sdpa elsewhere."""
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
+def pick_cuda_graphs(config: EngineConfig, device: torch.device, backend: str, own_decoder: bool) -> str:
+    """``"on"`` (capture and replay), ``"padded"`` (static buffers, no capture) or ``"off"``."""
+    if config.cuda_graphs == "auto":
+        return "on" if device.type == "cuda" and backend == "flex" and own_decoder else "off"
+    _check(config.cuda_graphs != "on" or device.type == "cuda", "cuda_graphs", "'on' only on a CUDA device",
+           config.cuda_graphs)
+    return config.cuda_graphs
 
 
 def cpu_flags() -> frozenset[str]:

@@ -17,13 +17,17 @@ from worker.engine.config import EnginePlan, ModelShape
 
 class KVCache:
     """Preallocated K/V storage for all layers. Zero-initialised: padded gathers read finite values, so masked
-    positions contribute exactly nothing (garbage NaNs would survive a zero attention weight)."""
+    positions contribute exactly nothing (garbage NaNs would survive a zero attention weight).
 
-    def __init__(self, shape: ModelShape, plan: EnginePlan) -> None:
+    ``scratch_block``: one block more than the pool, never allocated to a request: padded rows of a static-shape
+    step (``cuda_graphs.py``) write their K/V there (``scratch_slot``)."""
+
+    def __init__(self, shape: ModelShape, plan: EnginePlan, scratch_block: bool = False) -> None:
         self.block_size = plan.block_size
-        self.num_blocks = plan.num_kv_blocks
+        self.num_blocks = plan.num_kv_blocks + int(scratch_block)
         self.num_kv_heads = shape.num_kv_heads
-        dims = (plan.num_kv_blocks, plan.block_size, shape.num_kv_heads, shape.head_dim)
+        self.scratch_slot = plan.num_kv_blocks * plan.block_size if scratch_block else None
+        dims = (self.num_blocks, plan.block_size, shape.num_kv_heads, shape.head_dim)
         # keys[layer], values[layer]: [num_blocks, block_size, kv_heads, head_dim]
         self.keys = [torch.zeros(dims, dtype=plan.dtype, device=plan.device) for _ in range(shape.num_layers)]
         self.values = [torch.zeros(dims, dtype=plan.dtype, device=plan.device) for _ in range(shape.num_layers)]

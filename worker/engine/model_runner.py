@@ -3,7 +3,9 @@
 All scheduled chunks are flattened into one ``[1, T]`` sequence with explicit positions; paged attention
 (``attention.py``) keeps each request's tokens attending only to their own request. Only positions whose request
 needs a next token are projected to logits (``logits_to_keep`` with explicit indices), which saves the
-``[T, vocab]`` matmul for every prefill token but the last.
+``[T, vocab]`` matmul for every prefill token but the last. The attention metadata is built for the backend the
+config picks (gathered SDPA, or FlexAttention in place); decode-only steps may instead run from a bucket's
+static buffers, replayed as a CUDA graph (``cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,22 @@ from worker.engine.config import (
     EnginePlan,
     ModelShape,
     make_plan,
+    pick_attention_backend,
+    pick_cuda_graphs,
     pick_device,
     pick_dtype,
     plan_compute,
 )
+from worker.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, pick_bucket
 from worker.engine.decode_attention import prepare_decode_batch
 from worker.engine.decoder import Decoder, unsupported_reason
+from worker.engine.flex_attention import (
+    FlexStep,
+    kernel_options,
+    make_flex_fn,
+    prepare_flex_decode,
+    prepare_flex_prefill,
+)
 from worker.engine.host_memory import keep_freed_memory_for_reuse
 from worker.engine.kv_cache import KVCache, prepare_slot_mapping
 from worker.engine.linear import lies_on_int4_grid
@@ -91,12 +103,22 @@ class ModelRunner:
         self.model, self.decoder, self.compute = load_model(config, folder, device, dtype)
         self.shape = model_shape(self.model.config)
         self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
-        self.kv_cache = KVCache(self.shape, self.plan)
+        self.attention_backend = pick_attention_backend(config, device)
+        self.cuda_graphs = pick_cuda_graphs(config, device, self.attention_backend, self.compute.own_decoder)
+        self.kv_cache = KVCache(self.shape, self.plan, scratch_block=self.cuda_graphs != "off")
         self.cascade_attention = config.cascade_attention
-        log.info("model loaded: folder=%s device=%s dtype=%s quantization=%s forward=%s kv_blocks=%d block_size=%d "
-                 "max_model_len=%d", folder, device, dtype, self.compute.quantization,
-                 "decoder" if self.compute.own_decoder else "transformers", self.plan.num_kv_blocks,
-                 self.plan.block_size, self.plan.max_model_len)
+        self.flex: FlexStep | None = None  # the flex backend's kernel, with no calls: each step adds its own
+        if self.attention_backend == "flex":
+            self.flex = FlexStep((), make_flex_fn(compile_kernel=True), kernel_options(device, self.plan.block_size))
+        self.graphs: DecodeGraphs | None = None
+        if self.flex is not None and self.cuda_graphs != "off":
+            self.graphs = DecodeGraphs(self.forward, self.kv_cache, self.flex.attend, self.flex.options,
+                                       config.max_num_seqs, capture=self.cuda_graphs == "on", device=device)
+        log.info("model loaded: folder=%s device=%s dtype=%s quantization=%s forward=%s attention=%s "
+                 "cuda_graphs=%s kv_blocks=%d block_size=%d max_model_len=%d", folder, device, dtype,
+                 self.compute.quantization, "decoder" if self.compute.own_decoder else "transformers",
+                 self.attention_backend, self.cuda_graphs, self.plan.num_kv_blocks, self.plan.block_size,
+                 self.plan.max_model_len)
 
     @property
     def device(self) -> torch.device:
@@ -106,14 +128,20 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns float32 logits ``[num_chunks_needing_logits, vocab]`` in chunk order."""
         self.kv_cache.copy_blocks(output.block_copies)  # copy-on-write, before this step writes into the copies
+        if self.graphs is not None and self.graphs.can_run(output.chunks):
+            return self.graphs.run(output.chunks).float()  # [num_sampled, V]
         input_ids, position_ids, metadata, logits_indices = self.prepare_inputs(output.chunks)
+        context = PagedContext(self.kv_cache, metadata)
+        return self.forward(input_ids[0], position_ids[0], context, logits_indices).float()  # [num_sampled, V]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context: PagedContext,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``position_ids``: [T]; logits [len(logits_indices), V] in the compute dtype."""
         if self.decoder is not None:
-            context = PagedContext(self.kv_cache, metadata)
-            return self.decoder(input_ids[0], position_ids[0], context, logits_indices).float()  # [num_sampled, V]
-        result = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                            logits_to_keep=logits_indices,
-                            paged_context=PagedContext(self.kv_cache, metadata))
-        logits: torch.Tensor = result.logits[0].float()  # [num_sampled, V]
+            return self.decoder(input_ids, position_ids, context, logits_indices)  # type: ignore[no-any-return]
+        result = self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
+                            logits_to_keep=logits_indices, paged_context=context)
+        logits: torch.Tensor = result.logits[0]
         return logits
 
     def prepare_inputs(self, chunks: Sequence[ScheduledChunk]
@@ -140,15 +168,37 @@ class ModelRunner:
                 single_idx.append(offset)
                 single_tables.append(chunk.block_ids)
                 single_lens.append(start + 1)
-            else:
+            elif self.flex is None:
                 table = torch.tensor([chunk.block_ids], dtype=torch.long, device=device)
                 prefills.append(prepare_prefill_chunk(offset, start, num, table))
-        decode = None
-        if single_idx:
-            decode = prepare_decode_batch(single_idx, single_tables, single_lens, block_size, device,
-                                          share_prefix=self.cascade_attention)
-        metadata = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-                                     decode=decode, prefills=tuple(prefills))
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        if self.flex is not None:
+            metadata = AttentionMetadata(slot_mapping, None, (), self._prepare_flex(chunks, single_idx, single_tables,
+                                                                                   single_lens))
+        else:
+            decode = None
+            if single_idx:
+                decode = prepare_decode_batch(single_idx, single_tables, single_lens, block_size, device,
+                                              share_prefix=self.cascade_attention)
+            metadata = AttentionMetadata(slot_mapping, decode, tuple(prefills))
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         return input_ids, position_ids, metadata, torch.tensor(logits_indices, dtype=torch.long, device=device)
+
+    def _prepare_flex(self, chunks: Sequence[ScheduledChunk], single_idx: list[int],
+                      single_tables: list[tuple[int, ...]], single_lens: list[int]) -> FlexStep:
+        """The flex calls of a step: its single-token queries in one call, padded to a batch bucket (bounding the
+        shapes the kernel compiles for), then one call per multi-token chunk."""
+        assert self.flex is not None
+        calls = []
+        if single_idx:
+            batch = pick_bucket(len(single_idx), BATCH_BUCKETS) or len(single_idx)
+            calls.append(prepare_flex_decode(single_idx, single_tables, single_lens, batch, self.kv_cache,
+                                             self.device))
+        offset = 0
+        for chunk in chunks:
+            if len(chunk.token_ids) > 1:
+                calls.append(prepare_flex_prefill(offset, chunk.start_position, len(chunk.token_ids), chunk.block_ids,
+                                                  self.kv_cache, self.device))
+            offset += len(chunk.token_ids)
+        return FlexStep(tuple(calls), self.flex.attend, self.flex.options)
