@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from api.tokenization import ModelCatalog
+from shared import keys
 from shared.config import Settings
 from shared.queue import JobQueue
 from shared.schemas import WorkerInfo
@@ -16,7 +17,7 @@ from tests.worker.scripted_engine import model_card
 
 
 async def publish_card(queue: JobQueue, tokenizer_json: str) -> None:
-    await queue.redis.hdel("ts:models", "cat-model")  # a worker publishes its card on first registration only
+    await queue.redis.hdel(keys.MODEL_CARDS, "cat-model")  # a worker publishes its card on first registration only
     info = WorkerInfo(id=f"w-{time.monotonic_ns()}", model="cat-model", max_num_seqs=1, num_running=0,
                       num_waiting=0, kv_cache_usage=0.0, heartbeat_at=time.time(), started_at=time.time())
     await queue.register_worker(info, model_card("cat-model").model_copy(update={"tokenizer_json": tokenizer_json}))

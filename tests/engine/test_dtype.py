@@ -9,20 +9,33 @@ import torch
 
 from tests.conftest import _save_tiny
 from worker.engine import Engine, EngineConfig, SamplingParams
-from worker.engine.config import ComputePlan, cpu_flags, pick_dtype, plan_compute
+from worker.engine.config import ComputePlan, bf16_matmul_speedup, cpu_flags, pick_dtype, plan_compute
 from worker.engine.decoder import Decoder
 from worker.engine.model_runner import load_model
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize(("flags", "expected"), [
-    ({"avx2", "fma"}, torch.float32),
-    ({"avx512f", "avx512_bf16"}, torch.float32),  # bf16 instructions without AMX: dense bf16 slower than float32
-    ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),
+def _never_measured() -> float:
+    raise AssertionError("only AVX512-BF16 without AMX is measured")
+
+
+@pytest.mark.parametrize(("flags", "speedup", "expected"), [
+    ({"avx2", "fma"}, None, torch.float32),  # bf16 emulated
+    ({"avx512f", "avx512_bf16"}, 0.9, torch.float32),  # bf16 instructions measured slower (Xeon model 207)
+    ({"avx512f", "avx512_bf16"}, 3.3, torch.bfloat16),  # measured fast (AMD EPYC, Zen 4)
+    ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, None, torch.bfloat16),
 ])
-def test_cpu_dtype_follows_amx(flags: set[str], expected: torch.dtype) -> None:
-    assert pick_dtype(EngineConfig(), CPU, frozenset(flags)) == expected
+def test_cpu_dtype_follows_fast_bf16_matmuls(flags: set[str], speedup: float | None, expected: torch.dtype) -> None:
+    measure = _never_measured if speedup is None else lambda: speedup
+    assert pick_dtype(EngineConfig(), CPU, frozenset(flags), measure) == expected
+
+
+def test_the_bf16_probe_measures_this_cpu() -> None:
+    speedup = bf16_matmul_speedup()
+    assert 0.01 < speedup < 100
+    if "amx_bf16" in cpu_flags():
+        assert speedup > 1.0
 
 
 def test_configured_dtype_overrides_the_hardware_and_quantization_does_not() -> None:

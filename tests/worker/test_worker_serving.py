@@ -54,15 +54,15 @@ async def test_job_submitted_with_raw_redis_commands_is_completed(tiny_worker: W
                        "params": {"max_tokens": 12, "temperature": 0}})
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         wait_config(r)  # the test's Redis was just flushed
-        reply = r.eval(LUA_SUBMIT.read_text(), 4, f"ts:job:{{{job_id}}}", "ts:queue:{tiny}",
-                       "ts:queue:{tiny}:seq", "ts:config", body)
+        reply = r.eval(LUA_SUBMIT.read_text(), 4, f"ts:job:{{0}}:{job_id}", "ts:queue:{0}:tiny",
+                       "ts:queue:{0}:tiny:seq", "ts:config:{0}", body)
         assert reply[0] == "created"
         deadline = time.monotonic() + 60
-        while r.hget(f"ts:job:{{{job_id}}}", "status") not in ("succeeded", "failed"):
+        while r.hget(f"ts:job:{{0}}:{job_id}", "status") not in ("succeeded", "failed"):
             assert time.monotonic() < deadline, tiny_worker.log_tail()
             time.sleep(0.05)
-        record = r.hgetall(f"ts:job:{{{job_id}}}")
-        log = [json.loads(fields["data"]) for _, fields in r.xrange(f"ts:job:{{{job_id}}}:log")]
+        record = r.hgetall(f"ts:job:{{0}}:{job_id}")
+        log = [json.loads(fields["data"]) for _, fields in r.xrange(f"ts:job:{{0}}:{job_id}:log")]
 
     assert record["status"] == "succeeded", record.get("error")
     result = json.loads(record["result"])

@@ -8,6 +8,8 @@ so the config always reads as what was requested.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +25,12 @@ QUANTIZATIONS = (None, "none", "auto", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
-# tiles. AVX512-BF16 alone does not (Xeon model 207 without AMX, SmolLM2 decode at 32 rows: bf16 steps 7-13%
-# slower than float32, none faster at 1 row; docs/performance.md).
+# tiles always do. AVX512-BF16 without AMX depends on the CPU, so it is measured (``bf16_matmul_speedup``): on an
+# AMD EPYC (Zen 4) SmolLM2 decode steps at 32 rows ran 2.3x faster in bf16, on a Xeon model 207 without AMX 7-13%
+# slower (docs/performance.md). Without either, bf16 is emulated and slow.
 FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16"})
+MEASURED_BF16_CPU_FLAGS = frozenset({"avx512_bf16"})
+BF16_MIN_SPEEDUP = 1.5  # bf16 when a [32, 576] x [576, 1536] matmul (SmolLM2's shape) runs this much faster
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -42,10 +47,10 @@ class EngineConfig:
     CUDA), capped by what ``max_num_seqs`` full-length sequences could ever use.
     ``max_num_batched_tokens``: the token budget of one forward pass; longer prompts are prefilled in chunks.
     ``device``/``dtype``: None picks cuda if available, else cpu; bfloat16 on CUDA and on CPUs with fast bf16
-    matmuls (``FAST_BF16_CPU_FLAGS``), float32 on other CPUs. ``dtype="float32"`` without quantisation (``"auto"``
-    included) runs transformers' own forward (token-for-token equal to its ``generate``); every other setting,
-    a float32 the CPU picked included, runs the engine's fused decoder (``decoder.py``) where the architecture
-    allows (``plan_compute``).
+    matmuls (AMX, or AVX512-BF16 where measured fast: ``fast_bf16_cpu``), float32 on other CPUs.
+    ``dtype="float32"`` without quantisation (``"auto"`` included) runs transformers' own forward (token-for-token
+    equal to its ``generate``); every other setting, a float32 the CPU picked included, runs the engine's fused
+    decoder (``decoder.py``) where the architecture allows (``plan_compute``).
     ``enable_prefix_caching``: reuse the K/V of full blocks whose token prefix was computed before (on by default).
     ``cascade_attention``: decode queries attend to the block-table prefix the whole batch shares (a system prompt
     found by prefix caching) once, in one matmul, instead of once per sequence (exact; docs/performance.md).
@@ -194,15 +199,37 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
-    """The configured dtype; else bf16 on CUDA and on CPUs with fast bf16 units (``flags``: default this CPU's),
-    float32 on other CPUs (their dense bf16 matmuls are slower than float32 ones; quantised layers still feed
-    their kernels bf16, ``linear.py``)."""
+def bf16_matmul_speedup(rows: int = 32, reps: int = 3) -> float:
+    """How many times faster a ``[rows, 576] x [576, 1536]`` matmul runs in bf16 than in float32 on this CPU, with
+    the process's torch threads: the best of ``reps`` timings each, alternating (a few milliseconds)."""
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    pairs = {dtype: (torch.randn(rows, 576).to(dtype), torch.randn(1536, 576).to(dtype)) for dtype in best}
+    for rep in range(reps + 1):
+        for dtype, (x, w) in pairs.items():
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            if rep:  # the first round warms the kernels up
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def fast_bf16_cpu(flags: frozenset[str], measure: Callable[[], float] = bf16_matmul_speedup) -> bool:
+    """Whether dense bf16 matmuls beat float32 ones here: yes with AMX, measured with AVX512-BF16 alone, else no."""
+    if FAST_BF16_CPU_FLAGS & flags:
+        return True
+    return bool(MEASURED_BF16_CPU_FLAGS & flags) and measure() >= BF16_MIN_SPEEDUP
+
+
+def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str] | None = None,
+               measure: Callable[[], float] = bf16_matmul_speedup) -> torch.dtype:
+    """The configured dtype; else bf16 on CUDA and on CPUs whose bf16 matmuls are fast (``fast_bf16_cpu``;
+    ``flags``: default this CPU's), float32 on other CPUs (quantised layers still feed their kernels bf16,
+    ``linear.py``)."""
     if config.dtype is not None:
         return DTYPES[config.dtype]
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if FAST_BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags) else torch.float32
+    return torch.bfloat16 if fast_bf16_cpu(cpu_flags() if flags is None else flags, measure) else torch.float32
 
 
 def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype, unsupported: str | None,
