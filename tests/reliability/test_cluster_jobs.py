@@ -110,8 +110,9 @@ async def test_submit_stream_resume_poll_and_cancel(stack: Stack) -> None:
 async def test_priority_order_holds_across_shards(backend: Backend, tiny_llama: Path, tmp_path: Path) -> None:
     """With no worker running, 8 low- then 8 high-priority jobs queue up (spread over the shards); one worker
     taking one job at a time then starts every high-priority job before any low-priority one."""
-    api = ApiProcess(backend.url, tmp_path, queue_shards=backend.queue_shards).start(timeout_s=60)
-    worker = WorkerProcess(backend.url, tiny_llama, tmp_path, f"w-prio-{backend.name}", name=MODEL,
+    model = f"{MODEL}-prio"  # a queue of its own: no worker of another test may claim these jobs early
+    api = ApiProcess(backend.url, tmp_path, model=model, queue_shards=backend.queue_shards).start(timeout_s=60)
+    worker = WorkerProcess(backend.url, tiny_llama, tmp_path, f"w-prio-{backend.name}", name=model,
                            queue_shards=backend.queue_shards, max_num_seqs=1)
     try:
         async with httpx.AsyncClient(base_url=api.base_url, timeout=30) as client:
