@@ -10,6 +10,7 @@ stays unfinished, and none has two final events in its log.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ import pytest
 
 from shared import keys
 from shared.launcher.redis_cluster import LocalRedisCluster
-from shared.launcher.redis_server import RedisServer
+from shared.launcher.redis_server import RedisServer, free_port
 from shared.redis_client import connect_sync
+from tests.e2e.test_walking_skeleton import spawn, stop, tokenspool_command, wait_until
 from tests.reliability.stack import MODEL, ApiProcess, assert_clean_stream, follow, poll, start_workers, submit
 from tests.worker.worker_process import WorkerProcess
 
@@ -167,3 +169,22 @@ async def test_master_failover_while_jobs_stream(stack: Stack) -> None:
     assert sum(job["status"] == "succeeded" for job in finals) >= len(finals) - 2
     for job_id in job_ids:
         assert _final_events(stack.backend, job_id) == 1
+
+
+async def test_tokenspool_up_serves_from_the_cluster(redis_cluster_url: str, tiny_llama: Path, tmp_path: Path) -> None:
+    """``tokenspool up --redis-url redis+cluster://...`` as a user runs it: a job end to end, then Ctrl-C."""
+    port = free_port()
+    up = spawn("up", [*tokenspool_command(), "up", "--port", str(port), "--workers", "1", "--redis-url",
+                      redis_cluster_url, "--queue-shards", "3", "--model", str(tiny_llama), "--model-name", MODEL,
+                      "--device", "cpu", "--max-num-seqs", "2"], tmp_path)
+    try:
+        wait_until(lambda: "tokenspool: ready" in up.log.read_text(), [up], 120, "`up` to be ready")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            job, _ = await poll(client, await submit(client, PROMPTS[0], max_tokens=8))
+        assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 8
+        with connect_sync(redis_cluster_url) as r:
+            assert r.get(keys.SHARDS) == ",".join(keys.Keyspace(3).tags).encode()
+        os.kill(up.proc.pid, signal.SIGINT)
+        assert up.proc.wait(90) == 0, up.tail()
+    finally:
+        stop(up)
