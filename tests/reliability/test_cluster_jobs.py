@@ -42,16 +42,19 @@ class Backend:
     cluster: LocalRedisCluster | None
 
 
-@pytest.fixture(params=["node", "cluster"])
+@pytest.fixture(scope="module", params=["node", "cluster"])
 def backend(request: pytest.FixtureRequest) -> Backend:
+    """One Redis per variant for the whole module, flushed at its start (tests leave no unfinished jobs)."""
     if request.param == "node":
         server: RedisServer = request.getfixturevalue("redis_server")
         if not server.running:
             server.start()
         connect_sync(server.url).flushall()
         return Backend("node", server.url, 1, None)
-    url = request.getfixturevalue("redis_cluster_url")  # healthy and flushed
-    return Backend("cluster", url, 3, request.getfixturevalue("redis_cluster"))
+    cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+    cluster.revive()
+    cluster.flushall()
+    return Backend("cluster", cluster.url, 3, cluster)
 
 
 @dataclass
@@ -66,18 +69,32 @@ class Stack:
         return WorkerProcess(self.backend.url, self.model, self.log_dir, f"w-{self.backend.name}-{name}", name=MODEL,
                              queue_shards=self.backend.queue_shards, **settings)
 
+    def with_live_workers(self, count: int) -> Stack:
+        """Replace workers an earlier test killed or drained, so ``count`` serve."""
+        self.workers = [w for w in self.workers if w.alive()]
+        spares = [self.worker(f"{len(self.workers) + i}-{id(self)}-{i}", max_num_seqs=4)
+                  for i in range(count - len(self.workers))]
+        self.workers += start_workers(spares) if spares else []
+        return self
 
-@pytest.fixture()
-def stack(backend: Backend, tiny_llama: Path, tmp_path: Path) -> Iterator[Stack]:
-    api = ApiProcess(backend.url, tmp_path, queue_shards=backend.queue_shards).start(timeout_s=60)
-    stack = Stack(backend, api, [], tiny_llama, tmp_path)
+
+@pytest.fixture(scope="module")
+def module_stack(backend: Backend, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The API and two workers, started once per variant (each start costs seconds of model loading)."""
+    logs = tmp_path_factory.mktemp(f"cluster-jobs-{backend.name}")
+    api = ApiProcess(backend.url, logs, queue_shards=backend.queue_shards).start(timeout_s=60)
+    stack = Stack(backend, api, [], tiny_llama, logs)
     try:
-        stack.workers = start_workers(stack.worker(str(i), max_num_seqs=4) for i in range(2))
-        yield stack
+        yield stack.with_live_workers(2)
     finally:
         for worker in stack.workers:
             worker.stop()
         api.stop()
+
+
+@pytest.fixture()
+def stack(module_stack: Stack) -> Stack:
+    return module_stack.with_live_workers(2)
 
 
 def _final_events(backend: Backend, job_id: str) -> int:
@@ -118,15 +135,15 @@ async def test_priority_order_holds_across_shards(backend: Backend, tiny_llama: 
                            queue_shards=backend.queue_shards, max_num_seqs=1)
     try:
         async with httpx.AsyncClient(base_url=api.base_url, timeout=30) as client:
-            low = [await submit(client, f"low {i}", max_tokens=2, priority=-5) for i in range(8)]
-            high = [await submit(client, f"high {i}", max_tokens=2, priority=5) for i in range(8)]
+            low = [await submit(client, f"low {i}", model=model, max_tokens=2, priority=-5) for i in range(8)]
+            high = [await submit(client, f"high {i}", model=model, max_tokens=2, priority=5) for i in range(8)]
             if backend.queue_shards > 1:
                 ks = keys.Keyspace(backend.queue_shards)
                 assert len({ks.shard_of(job_id) for job_id in low + high}) > 1  # the jobs really are spread
             worker.start()
             finals = {job_id: (await poll(client, job_id))[0] for job_id in low + high}
         started = sorted(finals, key=lambda job_id: finals[job_id]["started_at"])
-        assert set(started[:8]) == set(high), [finals[j]["priority"] for j in started]
+        assert set(started[:8]) == set(high), [(finals[j]["priority"], finals[j]["worker_id"]) for j in started]
     finally:
         worker.stop()
         api.stop()
@@ -140,7 +157,7 @@ async def test_kill_9_and_drain_of_workers_while_jobs_stream(stack: Stack) -> No
         readers = [asyncio.create_task(follow(client, job_id, timeout_s=240)) for job_id in job_ids]
         await asyncio.sleep(1.5)
         stack.workers[0].signal(signal.SIGKILL)
-        stack.workers.append(stack.worker("spare", max_num_seqs=4).start())
+        stack.workers.append(stack.worker(f"spare-{len(stack.workers)}", max_num_seqs=4).start())
         stack.workers[1].signal(signal.SIGTERM)
         streams = await asyncio.gather(*readers)
         assert stack.workers[1].wait(60) == 0  # drained and exited cleanly
@@ -171,8 +188,11 @@ async def test_master_failover_while_jobs_stream(stack: Stack) -> None:
         assert _final_events(stack.backend, job_id) == 1
 
 
-async def test_tokenspool_up_serves_from_the_cluster(redis_cluster_url: str, tiny_llama: Path, tmp_path: Path) -> None:
+async def test_tokenspool_up_serves_from_the_cluster(backend: Backend, tiny_llama: Path, tmp_path: Path) -> None:
     """``tokenspool up --redis-url redis+cluster://...`` as a user runs it: a job end to end, then Ctrl-C."""
+    if backend.cluster is None:
+        pytest.skip("the single node runs `up` in tests/e2e")
+    redis_cluster_url = backend.url
     port = free_port()
     up = spawn("up", [*tokenspool_command(), "up", "--port", str(port), "--workers", "1", "--redis-url",
                       redis_cluster_url, "--queue-shards", "3", "--model", str(tiny_llama), "--model-name", MODEL,
