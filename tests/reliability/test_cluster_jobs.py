@@ -10,6 +10,7 @@ stays unfinished, and none has two final events in its log.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -208,3 +209,30 @@ async def test_tokenspool_up_serves_from_the_cluster(backend: Backend, tiny_llam
         assert up.proc.wait(90) == 0, up.tail()
     finally:
         stop(up)
+
+
+async def test_files_and_a_batch(stack: Stack) -> None:
+    """The Files and Batch APIs: their own keys in one slot, their indexes in others, the lines' jobs spread over
+    the shards (a batch owner without rate limits: each line's job in its id's shard)."""
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": PROMPTS[i % 4], "max_tokens": 4}} for i in range(6)]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    async with httpx.AsyncClient(base_url=stack.api.base_url, timeout=30) as client:
+        upload = await client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+        assert upload.status_code == 200, upload.text
+        file_id = upload.json()["id"]
+        assert [f["id"] for f in (await client.get("/v1/files")).json()["data"]] == [file_id]
+        created = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                         "completion_window": "24h"})
+        assert created.status_code == 200, created.text
+        batch_id = created.json()["id"]
+        for _ in range(600):
+            batch = (await client.get(f"/v1/batches/{batch_id}")).json()
+            if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+                break
+            await asyncio.sleep(0.1)
+        assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 6, batch
+        output = (await client.get(f"/v1/files/{batch['output_file_id']}/content")).text.splitlines()
+        assert [json.loads(x)["custom_id"] for x in output] == [f"req-{i}" for i in range(6)]
+        assert [b["id"] for b in (await client.get("/v1/batches")).json()["data"]] == [batch_id]
+        assert (await client.delete(f"/v1/files/{file_id}")).status_code == 200
