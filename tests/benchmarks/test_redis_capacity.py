@@ -30,9 +30,9 @@ def test_a_tiny_ramp_reports_what_the_clients_received(tmp_path: Path) -> None:
         assert 0 < row["tokens_per_s"] <= 1.2 * row["offered_tokens_per_s"]
         assert 0 < row["publish_p50_ms"] <= row["publish_p99_ms"]
         assert 0 <= row["sse_lag_p50_ms"] <= row["sse_lag_p99_ms"]
-        # Redis's own counters: CPU, and per token one XADD and one PUBLISH at least (done events add some).
+        # Redis's own counters: CPU, and per token one XADD and one SPUBLISH at least (done events add some).
         assert row["redis_cpu_us_per_token"] > 0 and row["redis_bytes_out_per_token"] > 0
-        assert row["redis_calls_per_token"]["xadd"] >= 1 and row["redis_calls_per_token"]["publish"] >= 1
+        assert row["redis_calls_per_token"]["xadd"] >= 1 and row["redis_calls_per_token"]["spublish"] >= 1
         assert row["queue_code"].endswith("shared")
     markdown = out.with_suffix(".md").read_text()
     assert "| current | 6 |" in markdown and result["cpu"] in markdown
