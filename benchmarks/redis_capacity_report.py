@@ -123,11 +123,14 @@ def publish_only_line(row: dict[str, Any]) -> str:
 
 def line(row: dict[str, Any]) -> str:
     """One level on one line, as the run prints it."""
+    shares = row["redis_cpu_share_per_master"]
+    masters = "; per master " + " / ".join(f"{100 * x:.0f}%" for x in shares) if len(shares) > 1 else ""
     return (f"{row['variant']:>8} {row['jobs']:5d} jobs: {row['tokens_per_s']:8.0f} tok/s (offered "
             f"{row['offered_tokens_per_s']:.0f}), {row['jobs_per_s']:6.1f} jobs/s, publish p99 "
             f"{row['publish_p99_ms'] or 0:6.1f} ms, SSE lag p99 {row['sse_lag_p99_ms'] or 0:6.1f} ms, Redis "
-            f"{row['redis_cpu_us_per_token']:5.1f} us/token ({100 * row['redis_cpu_share']:.0f}% of a core), "
-            f"{row['redis_commands_per_token']:.1f} cmds/token, load {row['load_average_1m']:.1f}")
+            f"{row['redis_cpu_us_per_token']:5.1f} us/token ({100 * row['redis_cpu_share']:.0f}% of a core{masters}), "
+            f"{row['redis_commands_per_token']:.1f} cmds/token, {row['num_bad_jobs']} bad jobs, "
+            f"load {row['load_average_1m']:.1f}")
 
 
 def _backend(result: dict[str, Any]) -> str:
