@@ -12,6 +12,8 @@ The clients are the slow side at thousands of streams (one Python process openin
 109 s), so they are split over ``--client-processes`` processes (this file run with ``--hold``), each opening at
 most ``--open-at-once`` streams at a time (a stream counts as open once its response headers arrived); the API
 is the same single process either way. Streams of 10,000 and more need ``ulimit -n`` above the stream count.
+When the count of subscribed channels stops rising for 60 s short of every stream (the API ended some), the row
+records how many were subscribed, and when the last one was.
 """
 
 from __future__ import annotations
@@ -143,6 +145,19 @@ def _release_holders(holders: list[subprocess.Popen[str]]) -> int:
     return ok
 
 
+def _wait_subscribed(r: redis.Redis, streams: int, began: float, stall_s: float = 60.0, limit_s: float = 900.0
+                     ) -> tuple[int, float]:
+    """How many live channels are subscribed once all ``streams`` are, or once the count has not risen for
+    ``stall_s`` (streams the API ended early never subscribe again), and when it last rose."""
+    best, best_at = 0, began
+    while best < streams and time.monotonic() - best_at < stall_s and time.monotonic() - began < limit_s:
+        time.sleep(0.2)  # each check lists every subscribed channel
+        count = len(r.pubsub_shardchannels("ts:job:*:live"))
+        if count > best:
+            best, best_at = count, time.monotonic()
+    return best, best_at
+
+
 def measure(base_url: str, api_pid: int, r: redis.Redis, streams: int, num_processes: int, open_at_once: int
             ) -> dict[str, Any]:
     ids = _submit(r, streams)
@@ -152,9 +167,9 @@ def measure(base_url: str, api_pid: int, r: redis.Redis, streams: int, num_proce
     holders = _start_holders(base_url, ids, num_processes, open_at_once)
     answered_200 = 0
     try:
-        # Every 0.2 s: each check lists every subscribed channel.
-        _wait(lambda: len(r.pubsub_shardchannels("ts:job:*:live")) >= streams, 900, "every stream subscribed", 0.2)
-        row = {"streams": streams, "client_processes": num_processes, "open_s": time.monotonic() - began,
+        subscribed, opened_at = _wait_subscribed(r, streams, began)
+        row = {"streams": streams, "client_processes": num_processes, "subscribed": subscribed,
+               "open_s": opened_at - began,
                "api_rss_mib": _rss_kib(api_pid) / 1024,
                "api_kib_per_stream": (_rss_kib(api_pid) - rss_before) / streams,
                "redis_clients": int(r.info("clients")["connected_clients"]),
@@ -197,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{count} streams: API {row['api_rss_mib']:.0f} MiB RSS ({row['api_kib_per_stream']:.1f} KiB "
                       f"per stream), {row['redis_pubsub_connections']} pub/sub connection(s), "
                       f"{row['redis_clients']} Redis clients in all, {row['redis_bytes_per_stream']:.0f} Redis bytes "
-                      f"per stream, opened in {row['open_s']:.1f} s", flush=True)
+                      f"per stream, {row['subscribed']} subscribed in {row['open_s']:.1f} s", flush=True)
         finally:
             api.terminate()
             api.wait(30)
