@@ -1,7 +1,7 @@
 """How many generated tokens one Redis node carries: the queue's ceiling, measured with no model in the way.
 
     .venv/bin/python benchmarks/redis_capacity.py [--jobs 64,128,256,512,1024] [--step-ms 25] [--level-s 12]
-        [--variant after=. --variant before=/path/to/other/checkout]      (tokenspool bench redis-capacity)
+        [--variant after=. --variant before=/path/to/other/checkout] [--cluster]   (tokenspool bench redis-capacity)
 
 A private redis-server (AOF everysec, as the embedded one runs), a real ``tokenspool api`` process, and
 simulated workers (``benchmarks/simulated_workers.py``: the production ``shared.queue`` code with no model; every
