@@ -44,7 +44,8 @@ def summarize(variant: str, num_jobs: int, ramp: Ramp, window: tuple[float, floa
               seen: Followed, redis: dict[str, float], cpu: dict[str, float], load_average_1m: float
               ) -> dict[str, Any]:
     """One level's row: rates and latencies inside ``window`` (wall times), Redis's and each process's counter
-    deltas over it per generated token, and the level's totals (every token published and received)."""
+    deltas over it per generated token, and the level's totals (every token published and received). ``redis``
+    holds the counters summed over every master and each master's own CPU seconds as ``cpu_s:<i>``."""
     t0, t1 = window
     span = t1 - t0
     calls = [(lat, jobs) for wall, lat, jobs in samples["publishes"] if t0 <= wall < t1]
@@ -66,6 +67,7 @@ def summarize(variant: str, num_jobs: int, ramp: Ramp, window: tuple[float, floa
         "stream_open_p99_ms": percentile(opens, 99) if opens else None,
         "redis_cpu_us_per_token": 1e6 * redis["cpu_s"] * per_token,
         "redis_cpu_share": redis["cpu_s"] / span,
+        "redis_cpu_share_per_master": [redis[f"cpu_s:{i}"] / span for i in range(_num_masters(redis))],
         "redis_commands_per_token": redis["commands"] * per_token,
         "redis_bytes_in_per_token": redis["net_in_bytes"] * per_token,
         "redis_bytes_out_per_token": redis["net_out_bytes"] * per_token,
@@ -84,6 +86,10 @@ def summarize(variant: str, num_jobs: int, ramp: Ramp, window: tuple[float, floa
     row["sustained"] = bool(row["publish_p99_ms"] is not None and row["publish_p99_ms"] <= ramp.p99_limit_ms
                             and row["step_rate_share"] >= SUSTAINED_SHARE)
     return row
+
+
+def _num_masters(redis: dict[str, float]) -> int:
+    return sum(1 for name in redis if name.startswith("cpu_s:"))
 
 
 def ceilings(rows: Sequence[dict[str, Any]], variants: Sequence[str]) -> dict[str, dict[str, Any] | None]:
@@ -117,11 +123,19 @@ def publish_only_line(row: dict[str, Any]) -> str:
 
 def line(row: dict[str, Any]) -> str:
     """One level on one line, as the run prints it."""
+    shares = row["redis_cpu_share_per_master"]
+    masters = "; per master " + " / ".join(f"{100 * x:.0f}%" for x in shares) if len(shares) > 1 else ""
     return (f"{row['variant']:>8} {row['jobs']:5d} jobs: {row['tokens_per_s']:8.0f} tok/s (offered "
             f"{row['offered_tokens_per_s']:.0f}), {row['jobs_per_s']:6.1f} jobs/s, publish p99 "
             f"{row['publish_p99_ms'] or 0:6.1f} ms, SSE lag p99 {row['sse_lag_p99_ms'] or 0:6.1f} ms, Redis "
-            f"{row['redis_cpu_us_per_token']:5.1f} us/token ({100 * row['redis_cpu_share']:.0f}% of a core), "
-            f"{row['redis_commands_per_token']:.1f} cmds/token, load {row['load_average_1m']:.1f}")
+            f"{row['redis_cpu_us_per_token']:5.1f} us/token ({100 * row['redis_cpu_share']:.0f}% of a core{masters}), "
+            f"{row['redis_commands_per_token']:.1f} cmds/token, {row['num_bad_jobs']} bad jobs, "
+            f"load {row['load_average_1m']:.1f}")
+
+
+def _backend(result: dict[str, Any]) -> str:
+    masters = result.get("cluster_masters", 0)
+    return f"a local Redis Cluster of {masters} masters (no replicas)" if masters else "one Redis node"
 
 
 def write_markdown(result: dict[str, Any], path: Path) -> None:
@@ -142,26 +156,32 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
              f"start, {result['load_average_end']:.1f} at the end; step {result['step_ms']:g} ms (one token per job "
              f"per step), {result['workers']} simulated workers, {result['output_len']} tokens per job, "
              f"{result['level_s']:g} s per level; {100 * result['sse_share']:.0f}% of the jobs followed by SSE "
-             f"(the others polled); Redis {'without' if result['no_aof'] else 'with'} AOF.", "",
+             f"(the others polled); {_backend(result)}, {'without' if result['no_aof'] else 'with'} AOF; "
+             f"{result.get('queue_shards', 1)} queue shard(s).", "",
              "| variant | jobs | offered tok/s | tok/s | jobs/s | publish p50 / p99 ms | SSE lag p50 / p99 ms "
-             "| Redis us/token | Redis core | cmds/token | bytes in / out per token | EVALSHA/token "
-             "| worker CPU us/token | API core | step rate kept | load |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| Redis us/token | Redis core | core per master | cmds/token | bytes in / out per token | EVALSHA/token "
+             "| worker CPU us/token | API core | step rate kept | bad jobs | load |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(
             f"| {r['variant']} | {r['jobs']} | {r['offered_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} "
             f"| {r['jobs_per_s']:.1f} | {r['publish_p50_ms'] or 0:.1f} / {r['publish_p99_ms'] or 0:.1f} "
             f"| {r['sse_lag_p50_ms'] or 0:.0f} / {r['sse_lag_p99_ms'] or 0:.0f} | {r['redis_cpu_us_per_token']:.1f} "
-            f"| {100 * r['redis_cpu_share']:.0f}% | {r['redis_commands_per_token']:.2f} "
+            f"| {100 * r['redis_cpu_share']:.0f}% "
+            f"| {' / '.join(f'{100 * share:.0f}%' for share in r['redis_cpu_share_per_master'])} "
+            f"| {r['redis_commands_per_token']:.2f} "
             f"| {r['redis_bytes_in_per_token']:.0f} / {r['redis_bytes_out_per_token']:.0f} "
             f"| {r['redis_calls_per_token'].get('evalsha', 0):.3f} | {r['process_cpu_us_per_token']['workers']:.0f} "
             f"| {100 * r['process_cpu_share']['api']:.0f}% "
             f"| {100 * r['step_rate_share']:.0f}%{'' if r['sustained'] else ' (not sustained)'} "
-            f"| {r['load_average_1m']:.1f} |")
+            f"| {r['num_bad_jobs']} | {r['load_average_1m']:.1f} |")
     lines.append("")
     for variant, row in result["ceilings"].items():
         lines.append(f"- **{variant}**: " + (
             f"sustained {row['tokens_per_s']:.0f} tokens/s, {row['jobs_per_s']:.1f} jobs/s ({row['jobs']} jobs) "
             f"with publish p99 {row['publish_p99_ms']:.1f} ms; one Redis core at this cost would carry "
             f"~{1e6 / row['redis_cpu_us_per_token']:.0f} tokens/s" if row else "no level sustained"))
+    if result.get("cluster_masters"):
+        lines.append(f"- Redis counters are summed over the {result['cluster_masters']} masters; 'core per master' is "
+                     "each master's own CPU time over the window (the masters in slot order).")
     path.write_text("\n".join(lines) + "\n")

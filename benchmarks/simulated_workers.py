@@ -1,12 +1,14 @@
 """Simulated workers for ``benchmarks/redis_capacity.py``: the queue traffic of GPU workers, with no model.
 
     python benchmarks/simulated_workers.py REDIS_URL MODEL OUT.json [--workers 4] [--step-ms 25] [--max-jobs 1024]
+        [--queue-shards 1]
 
 A load harness, not a worker: each simulated worker registers, claims jobs of ``MODEL`` through the production
 ``shared.queue.JobQueue`` (claim.lua), and every ``--step-ms`` publishes one token for each job it holds with one
 ``publish_many`` call (what a worker's outbox sends per engine step), then completes each job that reached its
 ``max_tokens`` (complete.lua), renewing its leases and heartbeating once a second. Which queue code runs is the one
 first on ``PYTHONPATH``, so the parent can run this file against another checkout's ``shared/`` (before/after).
+``REDIS_URL`` may name a cluster (``redis+cluster://``); ``--queue-shards`` must then be the API's.
 
 A token's text is the wall-clock millisecond of its publish call modulo 10^8 (8 digits), so an SSE client can tell
 how late it arrived. Runs until stdin closes, then writes every publish call ``[wall start, latency s, jobs]``
@@ -24,10 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from redis.asyncio import Redis
-
 from shared.config import Settings
 from shared.queue import ClaimedJob, JobQueue
+from shared.redis_client import open_client
 from shared.schemas import Choice, JobResult, ModelCard, TokenEvent, Usage, WorkerInfo
 
 TOKEN_ID = 260
@@ -54,10 +55,11 @@ class Samples:
     stale_publishes: int = 0
 
 
-async def _simulate(redis_url: str, model: str, worker_id: str, step_s: float, max_jobs: int, samples: Samples,
-                    stop: threading.Event) -> None:
-    redis = Redis.from_url(redis_url)
-    queue = JobQueue(redis, Settings(redis_url=redis_url, lease_ttl_s=30))
+async def _simulate(settings: Settings, model: str, worker_id: str, step_s: float, max_jobs: int,
+                    samples: Samples, stop: threading.Event) -> None:
+    assert settings.redis_url is not None
+    redis = await open_client(settings.redis_url)
+    queue = JobQueue(redis, settings)
     card = ModelCard(name=model, max_model_len=8192, eos_token_ids=[0], vocab_size=49152)
     started = time.time()
 
@@ -104,10 +106,11 @@ async def _simulate(redis_url: str, model: str, worker_id: str, step_s: float, m
 
 
 async def run(redis_url: str, model: str, num_workers: int, step_s: float, max_jobs: int,
-              stop: threading.Event) -> Samples:
+              stop: threading.Event, queue_shards: int = 1) -> Samples:
     """``num_workers`` simulated workers in this process until ``stop``; their samples merged."""
     samples = Samples()
-    await asyncio.gather(*(_simulate(redis_url, model, f"sim-worker-{i}", step_s, max_jobs, samples, stop)
+    settings = Settings(redis_url=redis_url, lease_ttl_s=30, queue_shards=queue_shards)
+    await asyncio.gather(*(_simulate(settings, model, f"sim-worker-{i}", step_s, max_jobs, samples, stop)
                            for i in range(num_workers)))
     return samples
 
@@ -116,7 +119,7 @@ async def publish_only(redis_url: str, model: str, max_jobs: int, num_steps: int
     """The publish path alone: claim up to ``max_jobs`` queued jobs of ``model`` and publish ``num_steps`` steps
     of one token each back to back (no pacing, no claims or completions in between), reading Redis's CPU time,
     commands and input bytes around exactly those steps; then complete the jobs."""
-    redis = Redis.from_url(redis_url)
+    redis = await open_client(redis_url)
     queue = JobQueue(redis, Settings(redis_url=redis_url, lease_ttl_s=600))
     claims = await queue.claim(model, "publish-only", max_jobs)
 
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--step-ms", type=float, default=25.0)
     parser.add_argument("--max-jobs", type=int, default=1024, help="jobs one simulated worker holds at most")
+    parser.add_argument("--queue-shards", type=int, default=1, help="the deployment's queue_shards (as the API's)")
     parser.add_argument("--publish-only", type=int, metavar="STEPS", default=0,
                         help="measure STEPS back-to-back publish steps of the queued jobs instead (publish_only)")
     args = parser.parse_args(argv)
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
 
     threading.Thread(target=wait_for_eof, daemon=True).start()
-    samples = asyncio.run(run(args.redis_url, args.model, args.workers, args.step_ms / 1000, args.max_jobs, stop))
+    samples = asyncio.run(run(args.redis_url, args.model, args.workers, args.step_ms / 1000, args.max_jobs, stop,
+                              args.queue_shards))
     args.out.write_text(json.dumps({"publishes": samples.publishes, "completions": samples.completions,
                                     "tokens_accepted": samples.tokens_accepted,
                                     "stale_publishes": samples.stale_publishes,

@@ -1,0 +1,46 @@
+"""shared/live_channels.py on a real 3-master cluster: channels on every master subscribed and released at once.
+
+Known bug, kept as a strict xfail so the fix turns it red until the marker goes: the listener reads the node
+pub/subs of redis-py's ClusterPubSub while a subscribe adds a node's PubSub whose connection is not set yet (or
+a release closes one), ``get_message`` raises RuntimeError('pubsub connection not set'), which is not in
+TRANSIENT_ERRORS, so the listener task dies and the subscriptions waiting on it time out (the API answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+
+from shared import keys
+from shared.live_channels import LiveChannels
+from shared.redis_client import open_client
+
+
+@pytest.mark.xfail(strict=True, reason="LiveChannels' listener dies on RuntimeError from ClusterPubSub (see module)")
+async def test_concurrent_subscribes_over_every_master_all_confirm(redis_cluster_url: str) -> None:
+    redis = await open_client(redis_cluster_url)
+    live = LiveChannels(redis, idle_s=1.0)
+    space = keys.Keyspace(3)
+    failures: list[str] = []
+
+    async def subscribe_and_release(shard: int) -> None:
+        channel = space.job_live(space.fit_id(secrets.token_hex(12), shard))
+        try:
+            reader = await live.subscribe(channel)
+        except Exception as exc:  # noqa: BLE001  # every failure is the finding
+            failures.append(f"{type(exc).__name__}: {exc}")
+            return
+        await asyncio.sleep(secrets.randbelow(50) / 1000)
+        await live.release(reader)
+
+    try:
+        for _ in range(10):
+            await asyncio.gather(*(subscribe_and_release(k % 3) for k in range(9)))
+            if failures:
+                break
+    finally:
+        await live.aclose()
+        await redis.aclose()
+    assert failures == []
