@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 # The largest event seq there can be: seq is the job hash's HINCRBY counter, a signed 64-bit integer. A reader
 # may resume after any seq up to this (a Redis stream id part goes to 2**64 - 1, beyond which XRANGE errors).
 MAX_EVENT_SEQ = 2**63 - 1
+# A quiet stream re-reads the log after poll_interval_s, then after twice as long each time nothing came, up to
+# this many poll intervals: a reconnect already tells readers to resync, so the quiet check only guards against
+# the rare lost message, and 10,000 waiting streams must not cost 5,000 log reads a second.
+MAX_QUIET_POLLS = 8
 
 STREAM_EVENTS: TypeAdapter[TokenEvent | RestartEvent | DoneEvent | ErrorEvent] = TypeAdapter(StreamEvent)
 
@@ -49,6 +53,7 @@ class JobStreamReader:
         self._last = after_seq
         self._live: LiveSubscription | None = None
         self._more = False  # the last log page read was full: read on before waiting for live events
+        self._quiet = 0  # quiet waits in a row (each doubles the next, up to MAX_QUIET_POLLS poll intervals)
 
     async def subscribe(self) -> None:
         self._live = await self._queue.live_channels.subscribe(self._queue.keyspace.job_live(self._job_id))
@@ -63,8 +68,9 @@ class JobStreamReader:
 
         A live message that follows on from the last seq is used as is; an older one is a duplicate of the
         replay and dropped; a newer one means something was missed, and the log fills the gap. After a quiet
-        ``poll_interval_s`` or a reconnect the log is read again and the job checked, so a finished or expired
-        job never leaves the reader waiting. The log is read a page at a time, and the next page only once the
+        ``poll_interval_s`` (doubling while the stream stays quiet, up to ``MAX_QUIET_POLLS`` of them) or a
+        reconnect the log is read again and the job checked, so a finished or expired job never leaves the
+        reader waiting. The log is read a page at a time, and the next page only once the
         consumer has taken this one: a slow consumer holds one page, never the whole log.
         """
         pending: list[dict[str, Any]] | None = None  # None: the first replay is still to do
@@ -97,7 +103,8 @@ class JobStreamReader:
     async def _next_live(self) -> list[dict[str, Any]]:
         """The next events: the live message itself when it follows on, else what the log holds."""
         assert self._live is not None
-        data = await self._live.get(self._queue.poll_interval_s)
+        data = await self._live.get(self._queue.poll_interval_s * min(2**self._quiet, MAX_QUIET_POLLS))
+        self._quiet = self._quiet + 1 if data is None else 0
         if data is None or data is RESYNC:  # quiet, or reconnected: the log has whatever was missed
             return await self._replay_or_end()
         raw: dict[str, Any] = json.loads(data)

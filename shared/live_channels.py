@@ -200,7 +200,13 @@ class LiveChannels:
             if not pubsub.node_pubsub_mapping:  # nothing subscribed yet on any node
                 await asyncio.sleep(min(0.05, self._idle_s))
                 return None
-            message: dict[str, Any] | None = await pubsub.get_sharded_message(timeout=self._idle_s)
+            try:
+                message: dict[str, Any] | None = await pubsub.get_sharded_message(timeout=self._idle_s)
+            except RuntimeError:
+                # redis-py 8.1: a node's PubSub that a concurrent SSUBSCRIBE just added (or a SUNSUBSCRIBE just
+                # closed) has no connection yet; nothing was read from it, so read again.
+                await asyncio.sleep(0.005)
+                return None
         else:
             message = await pubsub.get_message(timeout=self._idle_s)
         return message

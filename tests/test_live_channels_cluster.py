@@ -1,9 +1,9 @@
 """shared/live_channels.py on a real 3-master cluster: channels on every master subscribed and released at once.
 
-Known bug, kept as a strict xfail so the fix turns it red until the marker goes: the listener reads the node
-pub/subs of redis-py's ClusterPubSub while a subscribe adds a node's PubSub whose connection is not set yet (or
-a release closes one), ``get_message`` raises RuntimeError('pubsub connection not set'), which is not in
-TRANSIENT_ERRORS, so the listener task dies and the subscriptions waiting on it time out (the API answers 503).
+The listener reads the node pub/subs of redis-py's ClusterPubSub while a subscribe adds a node's PubSub whose
+connection is not set yet (or a release closes one): ``get_message`` then raises RuntimeError('pubsub connection
+not set'). That once killed the listener task, and the subscriptions waiting on it timed out (the API answered
+503); the listener now reads again.
 """
 
 from __future__ import annotations
@@ -11,14 +11,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-import pytest
-
 from shared import keys
 from shared.live_channels import LiveChannels
 from shared.redis_client import open_client
 
 
-@pytest.mark.xfail(strict=True, reason="LiveChannels' listener dies on RuntimeError from ClusterPubSub (see module)")
 async def test_concurrent_subscribes_over_every_master_all_confirm(redis_cluster_url: str) -> None:
     redis = await open_client(redis_cluster_url)
     live = LiveChannels(redis, idle_s=1.0)
