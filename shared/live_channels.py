@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Live messages buffered per reader; a reader further behind than this reads the log instead.
 READER_BUFFER = 256
+# On a Redis Cluster the listener polls the nodes' shard-channel connections this often when all are quiet.
+CLUSTER_POLL_S = 0.005
 
 
 class Resync:
@@ -200,13 +202,16 @@ class LiveChannels:
             if not pubsub.node_pubsub_mapping:  # nothing subscribed yet on any node
                 await asyncio.sleep(min(0.05, self._idle_s))
                 return None
+            # Non-blocking, then a short sleep: redis-py reads the nodes in turn, each for the whole timeout, so a
+            # blocking read of a quiet node would hold back every other node's messages (seconds of lag).
             try:
-                message: dict[str, Any] | None = await pubsub.get_sharded_message(timeout=self._idle_s)
+                message: dict[str, Any] | None = await pubsub.get_sharded_message(timeout=0.0)
             except RuntimeError:
                 # redis-py 8.1: a node's PubSub that a concurrent SSUBSCRIBE just added (or a SUNSUBSCRIBE just
                 # closed) has no connection yet; nothing was read from it, so read again.
-                await asyncio.sleep(0.005)
-                return None
+                message = None
+            if message is None:
+                await asyncio.sleep(CLUSTER_POLL_S)
         else:
             message = await pubsub.get_message(timeout=self._idle_s)
         return message
