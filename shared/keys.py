@@ -54,6 +54,12 @@ def shard_tag(shard: int, num_shards: int) -> str:
         n += 1
 
 
+# A job's and a model queue's keys are a shard's prefix + the id or model + one of these suffixes; the scripts get
+# the same prefixes and suffixes (``Keyspace.layout``), so no format is spelled a second time.
+LOG_SUFFIX, LIVE_SUFFIX = ":log", ":live"
+SEQ_SUFFIX, WAKE_SUFFIX, TENANTS_SUFFIX, VTIME_SUFFIX = ":seq", ":wake", ":tenants", ":vtime"
+TENANT_SUFFIX, DEADLINES_SUFFIX, RATE_SUFFIX = ":tenant:", ":deadlines", ":rate:"
+
 SHARDS = f"{PREFIX}shards"  # string: the shard tags, comma-separated in shard order (written by API and workers)
 
 
@@ -86,54 +92,66 @@ class Keyspace:
     def _in(self, shard: int) -> str:
         return f"{{{self.tags[shard]}}}"
 
+    def _job_prefix(self, shard: int) -> str:
+        return f"{PREFIX}job:{self._in(shard)}:"
+
+    def _queue_prefix(self, shard: int) -> str:
+        return f"{PREFIX}queue:{self._in(shard)}:"
+
+    def _idem_prefix(self, shard: int) -> str:
+        return f"{PREFIX}idem:{self._in(shard)}:"
+
+    def _cancels_prefix(self, shard: int) -> str:
+        return f"{PREFIX}cancels:{self._in(shard)}:"
+
     # -- a job's keys (shard of its id) --
     def job(self, job_id: str) -> str:
         """Hash: the job record (status, submission JSON, result JSON, timestamps, fence, seq counter)."""
-        return f"{PREFIX}job:{self._in(self.shard_of(job_id))}:{job_id}"
+        return f"{self._job_prefix(self.shard_of(job_id))}{job_id}"
 
     def job_log(self, job_id: str) -> str:
         """Stream: the job's replay log; entry id ``<seq>-0``, fields ``seq`` and ``data`` (event JSON)."""
-        return f"{self.job(job_id)}:log"
+        return f"{self.job(job_id)}{LOG_SUFFIX}"
 
     def job_live(self, job_id: str) -> str:
         """Shard pub/sub channel (SPUBLISH): every event appended to the replay log is also published here."""
-        return f"{self.job(job_id)}:live"
+        return f"{self.job(job_id)}{LIVE_SUFFIX}"
 
     # -- a model's queue in one shard --
     def queue(self, model: str, shard: int) -> str:
         """Sorted set: queued job ids of the model in the shard, score ``-priority * 2**32 + seq`` (lowest first)."""
-        return f"{PREFIX}queue:{self._in(shard)}:{model}"
+        return f"{self._queue_prefix(shard)}{model}"
 
     def queue_seq(self, model: str, shard: int) -> str:
         """Counter: the FIFO sequence number of the model's latest submission to the shard."""
-        return f"{self.queue(model, shard)}:seq"
+        return f"{self.queue(model, shard)}{SEQ_SUFFIX}"
 
     def queue_wake(self, model: str, shard: int) -> str:
         """Pub/sub channel (PUBLISH, cluster-wide): a job id each time one enters the model's queue in the
         shard, so idle workers claim at once instead of at their next poll."""
-        return f"{self.queue(model, shard)}:wake"
+        return f"{self.queue(model, shard)}{WAKE_SUFFIX}"
 
     def queue_tenants(self, model: str, shard: int) -> str:
         """Sorted set: the tenants with queued jobs of the model in the shard, scored by fair-share weight."""
-        return f"{self.queue(model, shard)}:tenants"
+        return f"{self.queue(model, shard)}{TENANTS_SUFFIX}"
 
     def queue_vtime(self, model: str, shard: int) -> str:
         """Hash: tenant -> virtual time (tokens served / weight, start-time fair queuing); field ``*`` is the
         queue's virtual time (the start tag of the latest claim)."""
-        return f"{self.queue(model, shard)}:vtime"
+        return f"{self.queue(model, shard)}{VTIME_SUFFIX}"
 
     def queue_tenant(self, model: str, tenant: str, shard: int) -> str:
         """Sorted set: the tenant's queued job ids of the model in the shard, same scores as the queue."""
-        return f"{self.queue(model, shard)}:tenant:{tenant}"
+        return f"{self.queue(model, shard)}{TENANT_SUFFIX}{tenant}"
 
     def queue_deadlines(self, model: str, shard: int) -> str:
         """Sorted set: queued job ids of the model that must start by a time (Redis server time, seconds)."""
-        return f"{self.queue(model, shard)}:deadlines"
+        return f"{self.queue(model, shard)}{DEADLINES_SUFFIX}"
 
     def queue_rate(self, model: str, tenant: str, shard: int) -> str:
         """Hash: the tenant's rate-limit state for the model (GCRA arrival times ``tat_r``/``tat_t``, unfinished
         jobs ``jobs``); a tenant with limits has all its jobs in one shard (``placement``)."""
-        return f"{self.queue(model, shard)}:rate:{tenant}"
+        return f"{self.queue(model, shard)}{RATE_SUFFIX}{tenant}"
 
     # -- per shard --
     def inflight(self, shard: int) -> str:
@@ -151,7 +169,7 @@ class Keyspace:
 
     def idempotency(self, owner: str | None, key: str, shard: int) -> str:
         """String: the job id submitted under ``key`` by ``owner`` (``-`` when there is no owner)."""
-        return f"{PREFIX}idem:{self._in(shard)}:{owner or '-'}:{key}"
+        return f"{self._idem_prefix(shard)}{idempotency_scope(owner, key)}"
 
     def owner_jobs(self, owner: str | None, shard: int) -> str:
         """Sorted set: the job ids of the shard an owner submitted (``-`` without owner), scored by creation time;
@@ -164,17 +182,22 @@ class Keyspace:
 
     def worker_cancels(self, worker_id: str, shard: int) -> str:
         """Set: ids of the worker's running jobs in the shard whose cancellation it has not finalised (durable)."""
-        return f"{PREFIX}cancels:{self._in(shard)}:{worker_id}"
+        return f"{self._cancels_prefix(shard)}{worker_id}"
 
     # -- placement --
     def placement(self, job_id: str, owner: str | None, idempotency_key: str | None, rate_limited: bool) -> int:
         """The shard a submission must go to: its tenant's when the tenant has rate limits (its budget is one
         key), else its idempotency scope's when it has a key (a retry finds the first job), else its id's."""
+        fixed = self._fixed_placement(owner, idempotency_key, rate_limited)
+        return self.shard_of(job_id) if fixed is None else fixed
+
+    def _fixed_placement(self, owner: str | None, idempotency_key: str | None, rate_limited: bool) -> int | None:
+        """The shard a submission must go to whatever its id, or None when its id decides (``placement``)."""
         if rate_limited:
             return self.shard_of(tenant_of(owner))
         if idempotency_key is not None:
             return self.shard_of(idempotency_scope(owner, idempotency_key))
-        return self.shard_of(job_id)
+        return None
 
     def fit_id(self, base: str, shard: int) -> str:
         """``base`` if it belongs to ``shard``, else ``base-<n>`` for the least n that does: a job id in the shard
@@ -191,9 +214,9 @@ class Keyspace:
         """An id for a new job of ``owner`` in the shard its submission must go to (``placement``), so its keys
         follow from the id alone. ``base``: a fixed id to start from (batch lines), kept when it fits (``fit_id``);
         else a fresh random one (32 hex characters, 128 random bits, about ``num_shards`` draws)."""
-        if not rate_limited and idempotency_key is None:  # placed by its id: any id will do
+        shard = self._fixed_placement(owner, idempotency_key, rate_limited)
+        if shard is None:  # placed by its id: any id will do
             return base or secrets.token_hex(16)
-        shard = self.placement("", owner, idempotency_key, rate_limited)
         if base is not None:
             return self.fit_id(base, shard)
         while True:
@@ -203,15 +226,14 @@ class Keyspace:
 
     def layout(self, shard: int) -> dict[str, str]:
         """The shard's key prefixes and suffixes as the scripts derive keys from ids (``ctx``, ``ts:config:{...}``)."""
-        q = f"{PREFIX}queue:{self._in(shard)}:"
         return {
             "shard": str(shard), "num_shards": str(self.num_shards), "tag": self.tags[shard],
-            "job_prefix": f"{PREFIX}job:{self._in(shard)}:", "job_suffix": "", "log_suffix": ":log",
-            "live_suffix": ":live", "queue_prefix": q, "queue_suffix": "", "wake_suffix": ":wake",
-            "seq_suffix": ":seq", "tenants_suffix": ":tenants", "vtime_suffix": ":vtime", "tenant_suffix": ":tenant:",
-            "deadlines_suffix": ":deadlines", "idem_prefix": f"{PREFIX}idem:{self._in(shard)}:",
-            "cancels_prefix": f"{PREFIX}cancels:{self._in(shard)}:", "control_prefix": CONTROL_PREFIX,
-            "events_key": self.job_events(shard),
+            "job_prefix": self._job_prefix(shard), "job_suffix": "", "log_suffix": LOG_SUFFIX,
+            "live_suffix": LIVE_SUFFIX, "queue_prefix": self._queue_prefix(shard), "queue_suffix": "",
+            "wake_suffix": WAKE_SUFFIX, "seq_suffix": SEQ_SUFFIX, "tenants_suffix": TENANTS_SUFFIX,
+            "vtime_suffix": VTIME_SUFFIX, "tenant_suffix": TENANT_SUFFIX, "deadlines_suffix": DEADLINES_SUFFIX,
+            "idem_prefix": self._idem_prefix(shard), "cancels_prefix": self._cancels_prefix(shard),
+            "control_prefix": CONTROL_PREFIX, "events_key": self.job_events(shard),
         }
 
 
