@@ -18,21 +18,12 @@ from api.chat_template import ChatTemplateError
 from api.errors import APIError, invalid_input, invalid_request
 from api.metrics import ApiMetrics
 from api.tokenization import ModelCatalog, ServedModel
-from shared import keys
 from shared.config import Settings
 from shared.lifecycle_log import job_fields
 from shared.queue import JobQueue, QueueFullError, RateLimitedError, RateState
 from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission, ToolSpec
 
 log = logging.getLogger(__name__)
-
-
-def new_job_id(settings: Settings, owner: str | None, idempotency_key: str | None = None) -> str:
-    """A fresh job id: 32 hex characters of 128 random bits, unguessable (``uuid4`` has only 122 random bits), in
-    the queue shard the owner's submission goes to (``Keyspace.job_id_for``). JobSubmission allows
-    ``[A-Za-z0-9_-]{8,64}``."""
-    rate_limited = settings.tenant_policies().of(owner).has_limits
-    return keys.Keyspace(settings.queue_shards).job_id_for(owner, idempotency_key, rate_limited)
 
 
 async def resolve_model(catalog: ModelCatalog, name: str | None) -> ServedModel:

@@ -96,14 +96,15 @@ async def _prepare_line(raw: str, index: int, seen: set[str], ctx: LineContext) 
         if ctx.endpoint == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(line.body)
             _no_stream(chat.stream)
-            _, submission, tool_plan = await chat_submission(chat, ctx.settings, ctx.catalog, ctx.owner,
+            _, submission, tool_plan = await chat_submission(chat, ctx.settings, ctx.catalog, ctx.queue, ctx.owner,
                                                              job_id=job_id, priority=priority, background=True)
             if tool_plan is not None:  # the output file would need the tool-call parsing the endpoint does
                 raise APIError(400, "tools are not supported in batch lines", param="tools", code="unsupported_value")
             return PreparedLine(custom_id=line.custom_id, want_logprobs=bool(chat.logprobs), submission=submission)
         completion = CompletionRequest.model_validate(line.body)
         _no_stream(completion.stream)
-        _, submissions = await completion_submissions(completion, ctx.settings, ctx.catalog, ctx.owner, job_id=job_id,
+        _, submissions = await completion_submissions(completion, ctx.settings, ctx.catalog, ctx.queue, ctx.owner,
+                                                  job_id=job_id,
                                                   priority=priority, background=True)
     except ValidationError as exc:
         raise invalid_input(exc) from None

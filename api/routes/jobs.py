@@ -29,7 +29,6 @@ from api.submission import (
     check_length,
     count_prompt_tokens,
     deadlines,
-    new_job_id,
     record_submitted,
     refused,
     resolve_model,
@@ -40,6 +39,7 @@ from api.webhooks.outbox import check_callback_url
 from shared.config import Settings
 from shared.job_stream import MAX_EVENT_SEQ
 from shared.queue import JobQueue, QueueFullError, RateLimitedError
+from shared.queue.client import ClientSide
 from shared.schemas import (
     MAX_TIMEOUT_S,
     ChatMessage,
@@ -141,7 +141,8 @@ def _accepted(record: JobRecord) -> JobAccepted:
                        links=JobLinks(self=f"/v1/jobs/{record.id}", events=f"/v1/jobs/{record.id}/events"))
 
 
-async def _prepare(settings: Settings, model: ServedModel, options: _JobOptions, owner: str | None, *,
+async def _prepare(settings: Settings, queue: ClientSide, model: ServedModel, options: _JobOptions, owner: str | None,
+                   *,
                    prompt: str | None = None, messages: list[ChatMessage] | None = None,
                    prompt_token_ids: list[int] | None = None, idempotency_key: str | None = None) -> JobSubmission:
     params = options.params()
@@ -149,7 +150,7 @@ async def _prepare(settings: Settings, model: ServedModel, options: _JobOptions,
     num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                             messages=messages)
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages" if messages else "prompt")
-    return build_submission(job_id=new_job_id(settings, owner, idempotency_key), model=model, params=params,
+    return build_submission(job_id=queue.job_id_for(owner, idempotency_key), model=model, params=params,
                             owner=owner, n=options.n,
                             priority=options.priority, background=options.background, prompt=prompt,
                             prompt_token_ids=prompt_token_ids, messages=messages, idempotency_key=idempotency_key,
@@ -163,7 +164,7 @@ async def create_job(body: JobCreate, response: Response, settings: SettingsDep,
     check_caps(settings, max_tokens=body.max_tokens, n=body.n)
     check_callback_url(settings, body.webhook_url, param="webhook_url")
     model = await resolve_model(catalog, body.model)
-    submission = await _prepare(settings, model, body, owner, prompt=body.prompt, messages=body.messages,
+    submission = await _prepare(settings, queue, model, body, owner, prompt=body.prompt, messages=body.messages,
                           prompt_token_ids=body.prompt_token_ids, idempotency_key=body.idempotency_key)
     if body.webhook_url is not None:
         submission = submission.model_copy(update={"webhook_url": body.webhook_url})
@@ -184,7 +185,7 @@ async def create_jobs(body: JobBatchCreate, settings: SettingsDep, queue: QueueD
     check_caps(settings, max_tokens=body.max_tokens, n=body.n)
     model = await resolve_model(catalog, body.model)
     submissions = [
-        await _prepare(settings, model, body, owner,
+        await _prepare(settings, queue, model, body, owner,
                        prompt=p if isinstance(p, str) else None, prompt_token_ids=p if isinstance(p, list) else None,
                        idempotency_key=f"{body.idempotency_key}:{i}" if body.idempotency_key else None)
         for i, p in enumerate(body.prompts)

@@ -41,7 +41,6 @@ from api.submission import (
     count_prompt_tokens,
     deadlines,
     default_max_tokens,
-    new_job_id,
     rate_headers,
     record_submitted,
     refused,
@@ -51,6 +50,7 @@ from api.tokenization import ModelCatalog, ServedModel
 from api.tool_calls import ToolCallChunks, ToolPlan, apply_tool_calls, plan_tools
 from shared.config import Settings
 from shared.queue import JobQueue, QueueFullError, RateLimitedError
+from shared.queue.client import ClientSide
 from shared.schemas import ChatMessage, FunctionCall, GenerationParams, Grammar, JobRecord, JobSubmission, ToolCall
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -82,7 +82,7 @@ async def retrieve_model(model_id: str, catalog: CatalogDep, _owner: OwnerDep) -
              responses={200: {"content": {"text/event-stream": {}}}})
 async def create_completion(body: CompletionRequest, request: Request, settings: SettingsDep, queue: QueueDep,
                             catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep) -> Response:
-    model, submissions = await completion_submissions(body, settings, catalog, owner)
+    model, submissions = await completion_submissions(body, settings, catalog, queue, owner)
     created = int(time.time())
     if len(submissions) > 1:
         return await run_prompts(request, queue, metrics, submissions, created=created, n=body.n,
@@ -103,7 +103,7 @@ async def create_completion(body: CompletionRequest, request: Request, settings:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, settings: SettingsDep,
                                  queue: QueueDep, catalog: CatalogDep, metrics: MetricsDep, owner: OwnerDep
                                  ) -> Response:
-    model, submission, tool_plan = await chat_submission(body, settings, catalog, owner)
+    model, submission, tool_plan = await chat_submission(body, settings, catalog, queue, owner)
     job_id = submission.id
     created = int(time.time())
     chunks = ChatChunks(f"chatcmpl-{job_id}", created, model.name, body.logprobs)
@@ -118,8 +118,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
 
 async def completion_submissions(body: CompletionRequest, settings: Settings, catalog: ModelCatalog,
-                                 owner: str | None, *, job_id: str | None = None, priority: int | None = None,
-                                 background: bool | None = None) -> tuple[ServedModel, list[JobSubmission]]:
+                                 queue: ClientSide, owner: str | None, *, job_id: str | None = None,
+                                 priority: int | None = None, background: bool | None = None
+                                 ) -> tuple[ServedModel, list[JobSubmission]]:
     """The jobs of a completion request, after every check the endpoint makes (APIError when it refuses).
     ``job_id``/``priority``/``background`` override the request's (a batch line: one prompt, its own id)."""
     _reject_unsupported_completion(body)
@@ -141,7 +142,7 @@ async def completion_submissions(body: CompletionRequest, settings: Settings, ca
         num_prompt_tokens = await count_prompt_tokens(model, prompt=prompt, prompt_token_ids=prompt_token_ids)
         check_length(model, num_prompt_tokens, params.max_tokens, param="prompt")
         submissions.append(build_submission(
-            job_id=job_id or new_job_id(settings, owner), model=model, params=params, owner=owner, n=body.n,
+            job_id=job_id or queue.job_id_for(owner), model=model, params=params, owner=owner, n=body.n,
             priority=body.priority if priority is None else priority,
             background=body.background if background is None else background, prompt=prompt,
             prompt_token_ids=prompt_token_ids, **deadlines(settings, body.queue_timeout_s, body.timeout_s)))
@@ -149,8 +150,9 @@ async def completion_submissions(body: CompletionRequest, settings: Settings, ca
 
 
 async def chat_submission(body: ChatCompletionRequest, settings: Settings, catalog: ModelCatalog,
-                          owner: str | None, *, job_id: str | None = None, priority: int | None = None,
-                          background: bool | None = None) -> tuple[ServedModel, JobSubmission, ToolPlan | None]:
+                          queue: ClientSide, owner: str | None, *, job_id: str | None = None,
+                          priority: int | None = None, background: bool | None = None
+                          ) -> tuple[ServedModel, JobSubmission, ToolPlan | None]:
     """The job of a chat completion request, after every check the endpoint makes (APIError when it refuses), and
     its tool plan (None without tools): how its output becomes tool calls."""
     _reject_unsupported_chat(body)
@@ -167,7 +169,7 @@ async def chat_submission(body: ChatCompletionRequest, settings: Settings, catal
     params = params.model_copy(update={"grammar": _chat_grammar(body, tool_plan)})
     check_beam_search(settings, params, param="n")
     check_length(model, num_prompt_tokens, params.max_tokens, param="messages")
-    submission = build_submission(job_id=job_id or new_job_id(settings, owner), model=model, params=params,
+    submission = build_submission(job_id=job_id or queue.job_id_for(owner), model=model, params=params,
                                   owner=owner, n=body.n,
                                   priority=body.priority if priority is None else priority,
                                   background=body.background if background is None else background,

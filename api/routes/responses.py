@@ -31,7 +31,6 @@ from api.submission import (
     check_length,
     count_prompt_tokens,
     default_max_tokens,
-    new_job_id,
     queue_full,
     record_submitted,
     resolve_model,
@@ -137,7 +136,7 @@ async def create_response(body: ResponsesRequest, request: Request, settings: Se
                            "temperature": body.temperature, "top_p": body.top_p})
     params = params.model_copy(update={"grammar": grammar_of(text_format, {})})
     check_length(model, num_prompt_tokens, params.max_tokens, param="input")
-    job_id = new_job_id(settings, owner)
+    job_id = queue.job_id_for(owner)
     submission = build_submission(job_id=job_id, model=model, params=params, owner=owner, n=1, priority=0,
                                   background=False, messages=messages)
     created = int(time.time())

@@ -125,6 +125,11 @@ async def test_submit_stream_resume_poll_and_cancel(stack: Stack) -> None:
         assert job["status"] == "cancelled"
         for job_id in [*streamed, *polled, doomed]:
             assert _final_events(stack.backend, job_id) == 1
+        # An idempotency key: the API makes the id in the key's shard, and the retry finds the first job.
+        body = {"prompt": PROMPTS[0], "max_tokens": 2, "idempotency_key": f"retry-{stack.backend.name}"}
+        first, again = await client.post("/v1/jobs", json=body), await client.post("/v1/jobs", json=body)
+        assert (first.status_code, again.status_code) == (202, 200), (first.text, again.text)
+        assert again.json()["id"] == first.json()["id"]
 
 
 async def test_priority_order_holds_across_shards(backend: Backend, tiny_llama: Path, tmp_path: Path) -> None:
