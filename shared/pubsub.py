@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
-from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import ClusterError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -25,8 +25,7 @@ log = logging.getLogger(__name__)
 SUBSCRIBE_TIMEOUT_S = 10.0
 # Redis errors a stream or channel listener (and a worker's writes) ride out by reconnecting and retrying: a lost
 # connection, and on a Redis Cluster the moments of a failover (no master for a slot yet, a slot moving).
-TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError,
-                    SlotNotCoveredError, ClusterError)
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, SlotNotCoveredError)
 
 
 async def subscribe_confirmed(pubsub: PubSub, channels: Sequence[str]) -> None:

@@ -134,3 +134,48 @@ def test_raw_eval_of_cancel_needs_only_the_job_id(client: redis.Redis) -> None:
     assert client.eval(cancel, 3, "ts:job:{0}:no-such-job", "ts:inflight:{0}", "ts:config:{0}", "no-such-job") == []
     with pytest.raises(redis.ResponseError, match=r"KEYS\[1\] must be ts:job:\{0\}:raw-job-0001"):
         client.eval(cancel, 3, "ts:job:{0}:x", "ts:inflight:{0}", "ts:config:{0}", "raw-job-0001")
+
+
+def test_submit_lua_checks_the_shard_with_the_same_crc16_as_python(client: redis.Redis) -> None:
+    """Three shards: submit.lua (its own CRC16 in Lua) takes every id, idempotency scope (non-ASCII too) and
+    rate-limited tenant that Python's CRC16 puts in the keys' shard, and refuses each one it puts elsewhere."""
+    three = keys.Keyspace(3)
+    for shard in three.shards:
+        config = script_config(Settings(), three, shard)
+        client.hset(three.config(shard), mapping={k: str(v) for k, v in config.items()})
+
+    def submit(job_id: str, shard: int, **fields: str) -> list:
+        body = json.dumps({"id": job_id, "model": "m", "prompt": "Hi", **fields})
+        job_keys = [three.job(job_id).replace(f"{{{three.tags[three.shard_of(job_id)]}}}", f"{{{three.tags[shard]}}}"),
+                    three.queue("m", shard), three.queue_seq("m", shard), three.config(shard)]
+        if "idempotency_key" in fields:
+            job_keys.append(three.idempotency(fields.get("owner"), fields["idempotency_key"], shard))
+        return client.eval(lua_source("submit"), len(job_keys), *job_keys, body)
+
+    for n in range(12):
+        job_id = f"crc-check-{n:04d}"
+        home = three.shard_of(job_id)
+        assert submit(job_id, home)[0] == "created"
+        with pytest.raises(redis.ResponseError, match=f"job id {job_id} maps to shard {home}, not to shard"):
+            submit(f"{job_id}", (home + 1) % 3)
+    scope_key = "clé-ü-7"
+    scope_shard = three.shard_of(keys.idempotency_scope(None, scope_key))
+    job_id = three.job_id_for(None, scope_key, rate_limited=False)
+    assert submit(job_id, scope_shard, idempotency_key=scope_key)[0] == "created"
+    wrong = next(f"scope-{n:04d}" for n in range(100) if three.shard_of(f"scope-{n:04d}") != scope_shard)
+    with pytest.raises(redis.ResponseError, match="idempotency scope .* maps to shard"):
+        submit(wrong, three.shard_of(wrong), idempotency_key=scope_key)
+    # A tenant with rate limits (KEYS[10] given): its jobs go to the tenant's shard, whatever the id's own.
+    tenant_shard = three.shard_of("tenant-a")
+    limited = three.job_id_for("tenant-a", None, rate_limited=True)
+    rate_keys = [three.job(limited), three.queue("m", tenant_shard), three.queue_seq("m", tenant_shard),
+                 three.config(tenant_shard), *[three.job(limited)] * 5, three.queue_rate("m", "tenant-a", tenant_shard)]
+    body = json.dumps({"id": limited, "model": "m", "prompt": "Hi", "owner": "tenant-a"})
+    assert client.eval(lua_source("submit"), len(rate_keys), *rate_keys, body, 1, '{"rpm": 10}')[0] == "created"
+    off = next(f"tenant-job-{n:03d}" for n in range(100) if three.shard_of(f"tenant-job-{n:03d}") != tenant_shard)
+    shard = three.shard_of(off)
+    rate_keys = [three.job(off), three.queue("m", shard), three.queue_seq("m", shard), three.config(shard),
+                 *[three.job(off)] * 5, three.queue_rate("m", "tenant-a", shard)]
+    body = json.dumps({"id": off, "model": "m", "prompt": "Hi", "owner": "tenant-a"})
+    with pytest.raises(redis.ResponseError, match="tenant .* maps to shard"):
+        client.eval(lua_source("submit"), len(rate_keys), *rate_keys, body, 1, '{"rpm": 10}')
