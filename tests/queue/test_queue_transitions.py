@@ -282,6 +282,11 @@ async def test_worker_registry_and_model_cards(queue: JobQueue) -> None:
     await queue.deregister_worker("w1")
     assert await queue.live_workers() == [] and await queue.model_cards() == []
     assert await queue.model_card(MODEL) == card  # still known: jobs may queue while workers restart
+    # A worker whose heartbeats stopped a week ago leaves the workers set at the next worker's heartbeat.
+    seconds, _ = await queue.redis.time()
+    await queue.redis.zadd(keys.WORKERS, {"long-gone": seconds - keys.DEAD_LETTER_KEEP_S - 60, "recent": seconds - 60})
+    await queue.register_worker(info, card)
+    assert set(await queue.redis.zrange(keys.WORKERS, 0, -1)) == {"w1", "recent"}
 
 
 async def test_a_crash_isolates_the_jobs_it_took_down_without_charging_them(queue: JobQueue) -> None:
