@@ -92,3 +92,25 @@ async def test_stream_of_an_unknown_job_is_an_error_not_a_hang(queue: JobQueue) 
         events = await asyncio.wait_for(collect(stream), 2)
     [error] = events
     assert isinstance(error, ErrorEvent) and "not found" in error.message
+
+
+async def test_a_quiet_stream_backs_off_its_log_reads_and_still_ends(queue: JobQueue) -> None:
+    """A stream of a job that waits (nothing published) re-reads the log after 1, 2, 4, ... poll intervals, not
+    every interval (10,000 waiting streams), and still sees the job's end at once through its live channel."""
+    job = make_job()
+    await queue.submit(job)
+
+    async def xranges() -> int:
+        stats = await queue.redis.info("commandstats")
+        return int(stats.get("cmdstat_xrange", {}).get("calls", 0))
+
+    async with queue.open_stream(job.id) as stream:
+        reader = asyncio.create_task(collect(stream))
+        await asyncio.sleep(0.1)
+        before = await xranges()
+        await asyncio.sleep(15 * queue.poll_interval_s)  # 15 intervals: 15 reads without the back-off
+        quiet_reads = await xranges() - before
+        await queue.cancel(job.id)
+        events = await asyncio.wait_for(reader, 5)
+    assert 2 <= quiet_reads <= 6, quiet_reads  # after 1, 2, 4 and 8 intervals
+    assert isinstance(events[-1], DoneEvent) and events[-1].job.status is JobStatus.CANCELLED
