@@ -41,3 +41,25 @@ async def test_concurrent_subscribes_over_every_master_all_confirm(redis_cluster
         await live.aclose()
         await redis.aclose()
     assert failures == []
+
+
+async def test_a_message_on_one_master_is_not_held_behind_quiet_others(redis_cluster_url: str) -> None:
+    """One reader per master's shard channel; a message published on any one of them arrives in well under the
+    listener's idle timeout, while the other masters stay quiet (redis-py reads the nodes in turn: a blocking
+    read of a quiet node would hold the message back for its whole timeout)."""
+    redis = await open_client(redis_cluster_url)
+    live = LiveChannels(redis, idle_s=3.0)
+    space = keys.Keyspace(3)
+    channels = [space.job_live(space.fit_id(secrets.token_hex(12), shard)) for shard in space.shards]
+    try:
+        readers = [await live.subscribe(channel) for channel in channels]
+        for _ in range(2):
+            for channel, reader in zip(channels, readers, strict=True):
+                await asyncio.sleep(0.2)
+                sent = asyncio.get_running_loop().time()
+                await redis.spublish(channel, "hello")
+                assert await reader.get(3.0) in (b"hello", "hello")
+                assert asyncio.get_running_loop().time() - sent < 0.5
+    finally:
+        await live.aclose()
+        await redis.aclose()
