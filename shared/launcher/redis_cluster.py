@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from shared.launcher.redis_server import RedisServer, find_redis_server, free_port
+from shared.launcher.redis_server import RedisServer, find_redis_server, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +107,16 @@ class LocalRedisCluster:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="redis-cluster-"))
         self.node_timeout_ms = node_timeout_ms
-        self.nodes = [
-            self._node(self.data_dir / f"node-{k}", appendonly) for k in range(num_masters * (1 + replicas))
-        ]
+        num_nodes = num_masters * (1 + replicas)
+        ports = free_ports(2 * num_nodes)  # each node's client port and cluster bus port, all distinct
+        self.nodes = [self._node(self.data_dir / f"node-{k}", appendonly, ports[2 * k], ports[2 * k + 1])
+                      for k in range(num_nodes)]
 
-    def _node(self, data_dir: Path, appendonly: bool) -> RedisServer:
-        return RedisServer(data_dir, appendonly=appendonly, extra_args=[
+    def _node(self, data_dir: Path, appendonly: bool, port: int, bus_port: int) -> RedisServer:
+        return RedisServer(data_dir, port=port, appendonly=appendonly, extra_args=[
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",  # relative to --dir: one per node
-            "--cluster-port", str(free_port()),
+            "--cluster-port", str(bus_port),
             "--cluster-node-timeout", str(self.node_timeout_ms),
             "--cluster-replica-validity-factor", "0",  # a replica may always take over, however long it was cut off
             "--repl-diskless-sync-delay", "0",  # replicas sync at once, not after the default 5 s wait

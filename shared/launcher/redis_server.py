@@ -6,6 +6,7 @@ binds loopback only, on a free port, with AOF persistence in ``data_dir`` so que
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import shutil
@@ -36,9 +37,19 @@ def find_redis_server() -> str:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that nothing listens on right now (each held bound until all are
+    drawn: separate ``free_port`` calls may return the same port twice before anything listens on it)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 class RedisServer:
