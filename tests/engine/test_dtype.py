@@ -53,22 +53,31 @@ F32, BF16, CUDA = torch.float32, torch.bfloat16, torch.device("cuda")
 
 @pytest.mark.parametrize(("config", "device", "dtype", "unsupported", "on_grid", "expected"), [
     # the default on a CPU without fast bf16: float32 activations, the GGUF's own int4 blocks, the own decoder
-    (EngineConfig(quantization="auto"), CPU, F32, None, True, ComputePlan(F32, "int4", True)),
-    (EngineConfig(quantization="auto"), CPU, BF16, None, True, ComputePlan(BF16, "int4", True)),
-    (EngineConfig(quantization="auto"), CPU, F32, None, False, ComputePlan(F32, None, True)),
-    (EngineConfig(), CPU, F32, None, True, ComputePlan(F32, None, True)),
+    (EngineConfig(quantization="auto"), CPU, F32, None, True, ComputePlan(F32, "int4", True, 32)),
+    (EngineConfig(quantization="auto"), CPU, BF16, None, True, ComputePlan(BF16, "int4", True, 8)),
+    (EngineConfig(quantization="auto"), CPU, F32, None, False, ComputePlan(F32, None, True, 32)),
+    (EngineConfig(), CPU, F32, None, True, ComputePlan(F32, None, True, 32)),
     # float32 asked for: transformers' exact forward, "auto" included; explicit int4 still quantises
-    (EngineConfig(dtype="float32"), CPU, F32, None, True, ComputePlan(F32, None, False)),
-    (EngineConfig(dtype="float32", quantization="auto"), CPU, F32, None, True, ComputePlan(F32, None, False)),
-    (EngineConfig(dtype="float32", quantization="int4"), CPU, F32, None, False, ComputePlan(F32, "int4", True)),
-    (EngineConfig(dtype="bfloat16", quantization="none"), CPU, BF16, None, True, ComputePlan(BF16, None, True)),
-    (EngineConfig(quantization="auto"), CUDA, BF16, None, True, ComputePlan(BF16, None, True)),
-    (EngineConfig(quantization="auto"), CPU, F32, "model type 'gpt2'", False, ComputePlan(F32, None, False)),
+    (EngineConfig(dtype="float32"), CPU, F32, None, True, ComputePlan(F32, None, False, 32)),
+    (EngineConfig(dtype="float32", quantization="auto"), CPU, F32, None, True, ComputePlan(F32, None, False, 32)),
+    (EngineConfig(dtype="float32", quantization="int4"), CPU, F32, None, False, ComputePlan(F32, "int4", True, 32)),
+    (EngineConfig(dtype="bfloat16", quantization="none"), CPU, BF16, None, True, ComputePlan(BF16, None, True, 8)),
+    (EngineConfig(quantization="auto"), CUDA, BF16, None, True, ComputePlan(BF16, None, True, 8)),
+    (EngineConfig(quantization="auto"), CPU, F32, "model type 'gpt2'", False, ComputePlan(F32, None, False, 32)),
 ])
 def test_plan_compute_picks_the_forward_and_the_weights(config: EngineConfig, device: torch.device,
                                                         dtype: torch.dtype, unsupported: str | None, on_grid: bool,
                                                         expected: ComputePlan) -> None:
-    assert plan_compute(config, device, dtype, unsupported, on_grid) == expected
+    assert plan_compute(config, device, dtype, unsupported, on_grid, flags=frozenset({"avx512_bf16"})) == expected
+
+
+def test_quantized_kernels_take_the_row_counts_where_they_beat_the_dense_matmul() -> None:
+    """The weight-only kernels serve calls of up to 4 rows beside AMX, 8 beside prepacked bf16 without AMX and 32
+    beside float32 (measured crossovers, ``config.QUANTIZED_MAX_ROWS_*``)."""
+    config = EngineConfig(quantization="int4")
+    assert plan_compute(config, CPU, BF16, None, True, frozenset({"amx_bf16"})).quantized_max_rows == 4
+    assert plan_compute(config, CPU, BF16, None, True, frozenset({"avx512_bf16"})).quantized_max_rows == 8
+    assert plan_compute(config, CPU, F32, None, True, frozenset({"amx_bf16"})).quantized_max_rows == 32
 
 
 @pytest.mark.parametrize(("config", "device", "dtype", "unsupported"), [
@@ -88,10 +97,11 @@ def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int
     config = EngineConfig(model=str(snapped_llama), quantization="auto")
     dtype = pick_dtype(config, CPU, frozenset({"avx2", "fma"}))
     model, decoder, compute = load_model(config, snapped_llama, CPU, dtype)
-    assert compute == ComputePlan(torch.float32, "int4", True) and decoder is model
+    assert compute == ComputePlan(torch.float32, "int4", True, 32) and decoder is model
     assert isinstance(decoder, Decoder) and decoder.embed.dtype == torch.float32
     qkv = decoder.layers[0].qkv
     assert qkv.quantization == "int4" and qkv.weight.dtype == torch.float32 and qkv.scales.dtype == torch.bfloat16
+    assert qkv.max_rows == 32 and not qkv.weight.is_mkldnn  # float32 dense weights stay in the plain layout
 
 
 def test_this_machine_reports_its_flags() -> None:

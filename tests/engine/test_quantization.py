@@ -14,7 +14,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.attention import PagedContext
 from worker.engine.decoder import Decoder
-from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, lies_on_int4_grid, quantize_int4
+from worker.engine.linear import (
+    QUANTIZED_MAX_ROWS,
+    PackedLinear,
+    dense_linear,
+    lies_on_int4_grid,
+    prepack,
+    prepacks,
+    quantize_int4,
+)
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledChunk
 
@@ -44,7 +52,7 @@ def test_int4_finds_the_q4_1_blocks_of_smollm2_again(smollm2: Path) -> None:
     noise = torch.randn(64, 128) * 0.02
     assert relative_error(noise) > 1e-3 and not lies_on_int4_grid(noise)
     packed = PackedLinear(tensors[0], None, torch.bfloat16, "int4")
-    assert float((packed.weight.float() - tensors[0]).abs().max() / tensors[0].abs().max()) < 2 ** -7
+    assert float((packed.dense_weight().float() - tensors[0]).abs().max() / tensors[0].abs().max()) < 2 ** -7
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -59,8 +67,42 @@ def test_quantized_kernel_and_dense_form_agree(quantization: str, dtype: torch.d
         dense = linear(x)  # more rows than QUANTIZED_MAX_ROWS: the dense matmul
         kernel = torch.cat([linear(row[None]) for row in x])  # one row at a time: the weight-only kernel
     assert dense.shape == kernel.shape == (QUANTIZED_MAX_ROWS + 3, 96)
-    assert dense.dtype == kernel.dtype == linear.weight.dtype == dtype
+    assert dense.dtype == kernel.dtype == linear.dense_weight().dtype == dtype
     assert float((kernel.float() - dense.float()).norm() / dense.float().norm()) < 0.01
+
+
+needs_onednn_bf16 = pytest.mark.skipif(not prepacks(torch.bfloat16, torch.device("cpu")),
+                                       reason="this CPU's oneDNN has no bf16 matmuls")
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows", [1, 5, 8, 33, 300])
+def test_prepacked_bf16_weights_compute_what_f_linear_does_bit_for_bit(rows: int) -> None:
+    """The oneDNN layout changes where the weight's bytes lie, not the arithmetic: every row count (the packing's
+    row hint is 1) and a strided input give F.linear's exact result; float32 weights stay plain."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 128, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    packed = prepack(weight)
+    assert packed.is_mkldnn and not prepack(weight.float()).is_mkldnn
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)[:, ::2]  # a strided view, as the decoder's slices are
+    with torch.inference_mode():
+        assert torch.equal(dense_linear(x, packed, bias), torch.nn.functional.linear(x, weight, bias))
+        assert torch.equal(dense_linear(x, packed), torch.nn.functional.linear(x, weight))
+    assert torch.equal(packed.to_dense(), weight)
+
+
+@needs_onednn_bf16
+def test_a_bf16_decoder_prepacks_its_dense_weights_and_keeps_its_head_out_of_int8(tiny_llama: Path) -> None:
+    """bf16 under int4: every projection keeps its int4 codes plus a prepacked dense copy; the LM head is prepacked
+    bf16 alone (faster than the int8 kernel at one row, and closer to float32). A float32 decoder keeps its
+    int8 head and plain dense weights."""
+    source = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    bf16 = Decoder(source, torch.bfloat16, "int4", max_rows=8)
+    layers = [m for m in bf16.modules() if isinstance(m, PackedLinear)]
+    assert all(m.weight.is_mkldnn and m.max_rows == 8 for m in layers)
+    assert bf16.lm_head.quantization is None and bf16.layers[0].qkv.quantization == "int4"
+    f32 = Decoder(source, torch.float32, "int4", max_rows=32)
+    assert f32.lm_head.quantization == "int8" and not f32.lm_head.weight.is_mkldnn
 
 
 def teacher_forced(decoder: Decoder, runner: ModelRunner, ids: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES
+from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES, dense_linear, prepack
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a modest fixed budget
@@ -31,6 +31,11 @@ CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16"})
 MEASURED_BF16_CPU_FLAGS = frozenset({"avx512_bf16"})
 BF16_MIN_SPEEDUP = 1.5  # bf16 when a [32, 576] x [576, 1536] matmul (SmolLM2's shape) runs this much faster
+# Rows up to which the weight-only kernels beat the dense matmul, by the dense kernel (a decode step's matmuls,
+# weights streaming from memory, SmolLM2 shapes, 2 threads; docs/performance.md): AMX bf16 4 (Xeon 207, before
+# prepacking); prepacked bf16 on AVX512-BF16 8 (EPYC: int4 12.2 vs bf16 12.5 ms a step at 8 rows, 20.3 vs 15.4 at
+# 12); float32 32 (EPYC: int4 46 vs float32 78 ms at 32 rows; float32 dense only pays from prefill sizes).
+QUANTIZED_MAX_ROWS_AMX, QUANTIZED_MAX_ROWS_BF16, QUANTIZED_MAX_ROWS_FLOAT32 = 4, 8, 32
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -150,6 +155,7 @@ class ComputePlan:
     dtype: torch.dtype  # activations, dense weights and the KV cache
     quantization: str | None  # "int8"/"int4": weight-only kernels for calls of a few rows (``linear.py``)
     own_decoder: bool  # the engine's fused decoder (``decoder.py``); False: transformers' own forward
+    quantized_max_rows: int = QUANTIZED_MAX_ROWS_AMX  # calls of up to this many rows take the weight-only kernels
 
 
 @dataclass(frozen=True)
@@ -203,11 +209,11 @@ def bf16_matmul_speedup(rows: int = 32, reps: int = 3) -> float:
     """How many times faster a ``[rows, 576] x [576, 1536]`` matmul runs in bf16 than in float32 on this CPU, with
     the process's torch threads: the best of ``reps`` timings each, alternating (a few milliseconds)."""
     best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
-    pairs = {dtype: (torch.randn(rows, 576).to(dtype), torch.randn(1536, 576).to(dtype)) for dtype in best}
+    pairs = {dtype: (torch.randn(rows, 576).to(dtype), prepack(torch.randn(1536, 576).to(dtype))) for dtype in best}
     for rep in range(reps + 1):
         for dtype, (x, w) in pairs.items():
             start = time.perf_counter()
-            torch.nn.functional.linear(x, w)
+            dense_linear(x, w)  # the kernel the engine's dense layers run
             if rep:  # the first round warms the kernels up
                 best[dtype] = min(best[dtype], time.perf_counter() - start)
     return best[torch.float32] / best[torch.bfloat16]
@@ -232,8 +238,15 @@ def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str]
     return torch.bfloat16 if fast_bf16_cpu(cpu_flags() if flags is None else flags, measure) else torch.float32
 
 
+def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str]) -> int:
+    """Rows up to which weight-only kernels beat the dense ``dtype`` matmul on a CPU with ``flags``."""
+    if dtype == torch.float32:
+        return QUANTIZED_MAX_ROWS_FLOAT32
+    return QUANTIZED_MAX_ROWS_AMX if FAST_BF16_CPU_FLAGS & flags else QUANTIZED_MAX_ROWS_BF16
+
+
 def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype, unsupported: str | None,
-                 on_int4_grid: bool) -> ComputePlan:
+                 on_int4_grid: bool, flags: frozenset[str] | None = None) -> ComputePlan:
     """Which forward runs with which weights, from the config, the picked ``dtype`` and two facts of the model:
     why the own decoder cannot run it (``unsupported``, None: it can) and whether its weights lie on a 4-bit
     grid per 32 columns (``on_int4_grid``: de-quantised from GGUF Q4_1 blocks).
@@ -250,7 +263,9 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"EngineConfig.quantization {quantization!r} needs device cpu, dtype float32 or bfloat16 "
                          f"and a Llama-family model, got {device.type}, {dtype} and {unsupported or 'a supported'}")
     exact = config.dtype == "float32" and quantization is None
-    return ComputePlan(dtype=dtype, quantization=quantization, own_decoder=unsupported is None and not exact)
+    max_rows = quantized_max_rows(dtype, cpu_flags() if flags is None else flags)
+    return ComputePlan(dtype=dtype, quantization=quantization, own_decoder=unsupported is None and not exact,
+                       quantized_max_rows=max_rows)
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:

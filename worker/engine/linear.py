@@ -2,10 +2,14 @@
 
 ``PackedLinear`` computes ``x @ W.T (+ b)`` and keeps the weight in up to two forms:
 - dense, in the compute dtype: used for every call without quantisation, and for calls with many rows (prefill,
-  large decode batches), where bf16 matmuls run on AMX and beat the weight-only kernels by 2-3x;
+  large decode batches), where bf16 matmuls run on AMX and beat the weight-only kernels by 2-3x. A bf16 weight on
+  a CPU is kept *prepacked* in oneDNN's blocked layout (``prepack``): ``F.linear`` repacks its weight on every
+  call, which with weights streaming from memory (a decode step) made bf16 matmuls 1.3-1.6x slower at 16-32 rows
+  and 3x slower at one row; the prepacked call gives bit-identical results;
 - weight-only quantised (``"int8"``: one scale per output row, ``torch._weight_int8pack_mm``; ``"int4"``: groups
   of 32 input columns with a scale and an offset each, ``_weight_int4pack_mm_for_cpu``): used for calls with at
-  most ``QUANTIZED_MAX_ROWS`` rows, where a matmul is a weight read and 2-4x fewer bytes make it 2-3x faster.
+  most ``max_rows`` rows (where they beat the dense kernel: ``config.quantized_max_rows``), where a matmul is a
+  weight read and 2-4x fewer bytes make it 2-3x faster.
 With quantisation the dense copy holds the *de-quantised* weights, so both forms compute the same function up to
 the kernels' rounding. Both kernels want bf16 activations (with fp32 ones they are 10-100x slower), so with a
 float32 compute dtype (CPUs without AMX, where dense bf16 matmuls are slower than fp32 ones) the few rows going to
@@ -23,11 +27,29 @@ from torch import nn
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP_SIZE = 32
-# At up to this many rows a weight-only kernel beats the dense bf16 one (2-core Xeon with AMX, SmolLM2 shapes:
-# at 1 row int8 45 us vs bf16 237 us; at 8 rows 139 vs 111 us; at 64 rows 1410 vs 480 us; /work/shared probes).
-QUANTIZED_MAX_ROWS = 4
+QUANTIZED_MAX_ROWS = 4  # the default of ``PackedLinear(max_rows=...)``; the engine passes its plan's value
 KERNEL_DTYPE = torch.bfloat16  # the activations and scales both weight-only kernels are fast with
 QUANTIZED_COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # the compute dtypes a quantised layer serves
+
+
+def prepacks(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether dense weights of ``dtype`` on ``device`` are kept prepacked for oneDNN (bf16 on a CPU it supports)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] in oneDNN's layout for ``dense_linear`` where ``prepacks`` says so, else unchanged."""
+    if not prepacks(weight.dtype, weight.device):
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # the row hint only tunes; any row count works
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a plain or a ``prepack``-ed weight. ``x``: [M, K] -> [M, N]."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,17 +87,18 @@ def lies_on_int4_grid(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` dense in ``dtype``, and optionally weight-only quantised for few rows."""
+    """``y = x @ W.T + b`` with ``W`` dense in ``dtype``, and optionally weight-only quantised for calls of at most
+    ``max_rows`` rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, max_rows: int = QUANTIZED_MAX_ROWS) -> None:
         super().__init__()
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
         if quantization is not None and dtype not in QUANTIZED_COMPUTE_DTYPES:
             raise ValueError(f"quantized layers compute in one of {QUANTIZED_COMPUTE_DTYPES}, got {dtype}")
         self.out_features, self.in_features = weight.shape
-        self.quantization = quantization
+        self.quantization, self.max_rows = quantization, max_rows
         self.bias = None if bias is None else bias.detach().to(dtype)
         weight = weight.detach().float()
         self.codes = self.scales = None
@@ -92,14 +115,14 @@ class PackedLinear(nn.Module):
             pairs = self.scales.float().transpose(0, 1)  # [N, K/g, 2]: the rounded scales the kernel uses
             grouped = codes.view(self.out_features, -1, INT4_GROUP_SIZE).float() - 8
             weight = (grouped * pairs[..., :1] + pairs[..., 1:]).view(self.out_features, self.in_features)
-        self.weight = weight.to(dtype)  # [N, K]
+        self.weight = prepack(weight.to(dtype))  # [N, K], opaque when prepacked (``dense_weight`` reads it)
         self.casts = quantization is not None and dtype != KERNEL_DTYPE  # float32 rows go to the kernel as bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: [..., K] -> [..., N]. 2-d inputs (the decoder's) skip the reshapes: a step makes ~120 calls."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.codes is None or rows.shape[0] > QUANTIZED_MAX_ROWS:
-            out = torch.nn.functional.linear(rows, self.weight, self.bias)
+        if self.codes is None or rows.shape[0] > self.max_rows:
+            out = dense_linear(rows, self.weight, self.bias)
         else:
             few = rows.to(KERNEL_DTYPE) if self.casts else rows  # a no-op .to() still costs a dispatch
             if self.quantization == "int8":
@@ -112,5 +135,10 @@ class PackedLinear(nn.Module):
                 out = out + self.bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The dense weight [N, K] in the compute dtype, in the plain layout."""
+        return self.weight.to_dense() if self.weight.is_mkldnn else self.weight
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, quantization={self.quantization}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, quantization={self.quantization}, "
+                f"max_rows={self.max_rows}, prepacked={self.weight.is_mkldnn}")

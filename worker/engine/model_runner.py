@@ -80,7 +80,7 @@ def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: 
     compute = plan_compute(config, device, dtype, reason, on_grid)
     if not compute.own_decoder:
         return model.to(dtype), None, compute
-    decoder = Decoder(model, dtype, compute.quantization)
+    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows)
     return decoder, decoder, compute
 
 
