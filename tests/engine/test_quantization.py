@@ -103,6 +103,7 @@ def test_a_bf16_decoder_prepacks_its_dense_weights_and_keeps_its_head_out_of_int
     assert bf16.lm_head.quantization is None and bf16.layers[0].qkv.quantization == "int4"
     f32 = Decoder(source, torch.float32, "int4", max_rows=32)
     assert f32.lm_head.quantization == "int8" and not f32.lm_head.weight.is_mkldnn
+    assert f32.layers[0].down.max_rows == 32 and f32.lm_head.max_rows == QUANTIZED_MAX_ROWS
 
 
 def teacher_forced(decoder: Decoder, runner: ModelRunner, ids: list[int]) -> torch.Tensor:

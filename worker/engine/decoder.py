@@ -109,8 +109,10 @@ class Decoder(nn.Module):
         # Q8_0), and int4 there costs far more quality than anywhere else in the model. A prepacked bf16 head needs
         # no int8 copy: at one row it ran 2.1 ms against the int8 kernel's 2.4 (SmolLM2's 49152 x 576, EPYC), and
         # agreed with the float32 head's top token more often (97.3% vs 96.0% of 2,048 positions).
+        # The int8 head keeps the old row limit (4): the int8 kernel's time grows with the rows (2.4 ms at one,
+        # 6.1 at 8, 24 at 32) faster than the float32 head's, so the projections' float32 limit (32) would not do.
         head_quantization = None if quantization is None or prepacks(dtype, self.embed.device) else "int8"
-        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head_quantization, max_rows)
+        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head_quantization)
 
     def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, D]`` for ``x * cos + roll(x, D/2) * sin`` (== rotate_half form)."""
