@@ -98,8 +98,9 @@ def test_a_bf16_decoder_prepacks_its_dense_weights_and_keeps_its_head_out_of_int
     int8 head and plain dense weights."""
     source = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     bf16 = Decoder(source, torch.bfloat16, "int4", max_rows=8)
-    layers = [m for m in bf16.modules() if isinstance(m, PackedLinear)]
-    assert all(m.weight.is_mkldnn and m.max_rows == 8 for m in layers)
+    projections = [m for layer in bf16.layers for m in layer.modules() if isinstance(m, PackedLinear)]
+    assert projections and all(m.weight.is_mkldnn and m.max_rows == 8 for m in projections)
+    assert bf16.lm_head.weight.is_mkldnn
     assert bf16.lm_head.quantization is None and bf16.layers[0].qkv.quantization == "int4"
     f32 = Decoder(source, torch.float32, "int4", max_rows=32)
     assert f32.lm_head.quantization == "int8" and not f32.lm_head.weight.is_mkldnn
