@@ -255,4 +255,13 @@ class InProcessWorker:
             registered.set_result(None)
             return await task
         finally:
-            await client.aclose()
+            await _cancel_other_tasks()  # a background task the runner left (stuck on a loaded machine) must not
+            await client.aclose()  # reconnect after this close: its socket would leak into a later test's GC
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancel every task of the running loop but this one, and wait until they are done."""
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
