@@ -21,6 +21,7 @@ from api.tokenization import ModelCatalog, ServedModel
 from shared.config import Settings
 from shared.lifecycle_log import job_fields
 from shared.queue import JobQueue, QueueFullError, RateLimitedError, RateState
+from shared.sampling import MAX_INT
 from shared.schemas import ChatMessage, GenerationParams, JobRecord, JobSubmission, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,13 @@ async def count_prompt_tokens(model: ServedModel, *, prompt: str | None = None,
     first checked against the model's character bound (cheap), then tokenized off the event loop.
     """
     if prompt_token_ids is not None:
-        if model.card is not None and any(t >= model.card.vocab_size for t in prompt_token_ids):
-            raise invalid_request(f"prompt token ids must be below the vocabulary size {model.card.vocab_size}",
-                                  param="prompt_token_ids")
+        # Before a worker has published the model's card the vocabulary is unknown, but no vocabulary reaches
+        # MAX_INT: an id past it could only overflow the worker's int64 tensors.
+        known = model.card is not None
+        limit = model.card.vocab_size if model.card is not None else MAX_INT + 1
+        if any(t >= limit for t in prompt_token_ids):
+            bound = f"the vocabulary size {limit}" if known else f"{limit} (no vocabulary is larger)"
+            raise invalid_request(f"prompt token ids must be below {bound}", param="prompt_token_ids")
         return len(prompt_token_ids)
     if messages is not None:
         rendered = render_chat(model, messages, tools)

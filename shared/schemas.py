@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from shared.grammar import MAX_GRAMMAR_CHARS, GrammarKind, check_grammar
-from shared.sampling import GREEDY_BELOW_TEMPERATURE, SAMPLING_RANGES, beam_search_conflict
+from shared.sampling import GREEDY_BELOW_TEMPERATURE, MAX_INT, SAMPLING_RANGES, beam_search_conflict
 
 SCHEMA_VERSION = 1
 MAX_TIMEOUT_S = 30 * 86_400.0  # the longest queue_timeout_s / timeout_s a job may carry
@@ -176,7 +176,7 @@ class JobSubmission(_Wire):
     id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     model: str = Field(min_length=1, max_length=256)
     prompt: str | None = None
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT)]] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ToolSpec] | None = Field(None, max_length=128, description="with messages: tools for the template")
     params: GenerationParams = Field(default_factory=GenerationParams)
