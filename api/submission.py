@@ -90,10 +90,10 @@ async def count_prompt_tokens(model: ServedModel, *, prompt: str | None = None,
     if prompt_token_ids is not None:
         # Before a worker has published the model's card the vocabulary is unknown, but no vocabulary reaches
         # MAX_INT: an id past it could only overflow the worker's int64 tensors.
-        known = model.card is not None
-        limit = model.card.vocab_size if model.card is not None else MAX_INT + 1
+        card = model.card
+        limit = card.vocab_size if card is not None else MAX_INT + 1
         if any(t >= limit for t in prompt_token_ids):
-            bound = f"the vocabulary size {limit}" if known else f"{limit} (no vocabulary is larger)"
+            bound = f"the vocabulary size {limit}" if card is not None else f"{limit} (no vocabulary is larger)"
             raise invalid_request(f"prompt token ids must be below {bound}", param="prompt_token_ids")
         return len(prompt_token_ids)
     if messages is not None:

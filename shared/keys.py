@@ -93,22 +93,14 @@ class Keyspace:
     def _in(self, shard: int) -> str:
         return f"{{{self.tags[shard]}}}"
 
-    def _job_prefix(self, shard: int) -> str:
-        return f"{PREFIX}job:{self._in(shard)}:"
-
-    def _queue_prefix(self, shard: int) -> str:
-        return f"{PREFIX}queue:{self._in(shard)}:"
-
-    def _idem_prefix(self, shard: int) -> str:
-        return f"{PREFIX}idem:{self._in(shard)}:"
-
-    def _cancels_prefix(self, shard: int) -> str:
-        return f"{PREFIX}cancels:{self._in(shard)}:"
+    def _prefix(self, kind: str, shard: int) -> str:
+        """``ts:<kind>:{<tag>}:``: the start of every per-shard key of one kind (job, queue, idem, cancels)."""
+        return f"{PREFIX}{kind}:{self._in(shard)}:"
 
     # -- a job's keys (shard of its id) --
     def job(self, job_id: str) -> str:
         """Hash: the job record (status, submission JSON, result JSON, timestamps, fence, seq counter)."""
-        return f"{self._job_prefix(self.shard_of(job_id))}{job_id}"
+        return f"{self._prefix('job', self.shard_of(job_id))}{job_id}"
 
     def job_log(self, job_id: str) -> str:
         """Stream: the job's replay log; entry id ``<seq>-0``, fields ``seq`` and ``data`` (event JSON)."""
@@ -121,7 +113,7 @@ class Keyspace:
     # -- a model's queue in one shard --
     def queue(self, model: str, shard: int) -> str:
         """Sorted set: queued job ids of the model in the shard, score ``-priority * 2**32 + seq`` (lowest first)."""
-        return f"{self._queue_prefix(shard)}{model}"
+        return f"{self._prefix('queue', shard)}{model}"
 
     def queue_seq(self, model: str, shard: int) -> str:
         """Counter: the FIFO sequence number of the model's latest submission to the shard."""
@@ -170,7 +162,7 @@ class Keyspace:
 
     def idempotency(self, owner: str | None, key: str, shard: int) -> str:
         """String: the job id submitted under ``key`` by ``owner`` (``-`` when there is no owner)."""
-        return f"{self._idem_prefix(shard)}{idempotency_scope(owner, key)}"
+        return f"{self._prefix('idem', shard)}{idempotency_scope(owner, key)}"
 
     def owner_jobs(self, owner: str | None, shard: int) -> str:
         """Sorted set: the job ids of the shard an owner submitted (``-`` without owner), scored by creation time;
@@ -183,7 +175,7 @@ class Keyspace:
 
     def worker_cancels(self, worker_id: str, shard: int) -> str:
         """Set: ids of the worker's running jobs in the shard whose cancellation it has not finalised (durable)."""
-        return f"{self._cancels_prefix(shard)}{worker_id}"
+        return f"{self._prefix('cancels', shard)}{worker_id}"
 
     # -- placement --
     def placement(self, job_id: str, owner: str | None, idempotency_key: str | None, rate_limited: bool) -> int:
@@ -229,11 +221,11 @@ class Keyspace:
         """The shard's key prefixes and suffixes as the scripts derive keys from ids (``ctx``, ``ts:config:{...}``)."""
         return {
             "shard": str(shard), "num_shards": str(self.num_shards), "tag": self.tags[shard],
-            "job_prefix": self._job_prefix(shard), "job_suffix": "", "log_suffix": LOG_SUFFIX,
-            "live_suffix": LIVE_SUFFIX, "queue_prefix": self._queue_prefix(shard), "queue_suffix": "",
+            "job_prefix": self._prefix("job", shard), "job_suffix": "", "log_suffix": LOG_SUFFIX,
+            "live_suffix": LIVE_SUFFIX, "queue_prefix": self._prefix("queue", shard), "queue_suffix": "",
             "wake_suffix": WAKE_SUFFIX, "seq_suffix": SEQ_SUFFIX, "tenants_suffix": TENANTS_SUFFIX,
             "vtime_suffix": VTIME_SUFFIX, "tenant_suffix": TENANT_SUFFIX, "deadlines_suffix": DEADLINES_SUFFIX,
-            "idem_prefix": self._idem_prefix(shard), "cancels_prefix": self._cancels_prefix(shard),
+            "idem_prefix": self._prefix("idem", shard), "cancels_prefix": self._prefix("cancels", shard),
             "control_prefix": CONTROL_PREFIX, "events_key": self.job_events(shard),
         }
 
