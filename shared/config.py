@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     speculative_max_batch: int = Field(8, ge=1, description="speculate only while at most this many requests run")
     quantization: str | None = Field("auto", description="auto (int4 on CPU where the weights came from 4-bit GGUF "
                                      "blocks, unless --dtype float32) | none | int8 | int4 (weight-only kernels for "
-                                     "small batches)")
+                                     "small batches) | fp16 (float16 weights, float32 activations; x86 CPUs)")
     num_threads: int | None = Field(None, ge=1, description="torch threads; unset = the cores this process may use")
     worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
     drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")

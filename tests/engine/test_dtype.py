@@ -9,8 +9,15 @@ import torch
 
 from tests.conftest import _save_tiny
 from worker.engine import Engine, EngineConfig, SamplingParams
-from worker.engine.config import ComputePlan, bf16_matmul_speedup, cpu_flags, pick_dtype, plan_compute
+from worker.engine.config import (
+    ComputePlan,
+    bf16_matmul_speedup,
+    cpu_flags,
+    pick_dtype,
+    plan_compute,
+)
 from worker.engine.decoder import Decoder
+from worker.engine.linear import half_packs
 from worker.engine.model_runner import load_model
 
 CPU = torch.device("cpu")
@@ -49,18 +56,24 @@ def test_configured_dtype_overrides_the_hardware_and_quantization_does_not() -> 
 
 
 F32, BF16, CUDA = torch.float32, torch.bfloat16, torch.device("cuda")
+AVX2 = frozenset({"avx2", "fma"})
+AVX512 = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+needs_fbgemm = pytest.mark.skipif(not half_packs(CPU), reason="float16 weights need fbgemm (x86 builds of torch)")
 
 
+@needs_fbgemm
 @pytest.mark.parametrize(("config", "device", "dtype", "unsupported", "on_grid", "expected"), [
-    # the default on a CPU without fast bf16: float32 activations, the GGUF's own int4 blocks, the own decoder
-    (EngineConfig(quantization="auto"), CPU, F32, None, True, ComputePlan(F32, "int4", True, 32)),
+    # the default on an AVX-512 CPU without fast bf16: float32 activations, the GGUF's own int4 blocks for up to
+    # 16 rows, float16 dense weights above, the own decoder
+    (EngineConfig(quantization="auto"), CPU, F32, None, True, ComputePlan(F32, "int4", True, 16)),
     (EngineConfig(quantization="auto"), CPU, BF16, None, True, ComputePlan(BF16, "int4", True, 8)),
     (EngineConfig(quantization="auto"), CPU, F32, None, False, ComputePlan(F32, None, True, 32)),
     (EngineConfig(), CPU, F32, None, True, ComputePlan(F32, None, True, 32)),
     # float32 asked for: transformers' exact forward, "auto" included; explicit int4 still quantises
     (EngineConfig(dtype="float32"), CPU, F32, None, True, ComputePlan(F32, None, False, 32)),
     (EngineConfig(dtype="float32", quantization="auto"), CPU, F32, None, True, ComputePlan(F32, None, False, 32)),
-    (EngineConfig(dtype="float32", quantization="int4"), CPU, F32, None, False, ComputePlan(F32, "int4", True, 32)),
+    (EngineConfig(dtype="float32", quantization="int4"), CPU, F32, None, False, ComputePlan(F32, "int4", True, 16)),
+    (EngineConfig(dtype="float32", quantization="fp16"), CPU, F32, None, False, ComputePlan(F32, "fp16", True, 16)),
     (EngineConfig(dtype="bfloat16", quantization="none"), CPU, BF16, None, True, ComputePlan(BF16, None, True, 8)),
     (EngineConfig(quantization="auto"), CUDA, BF16, None, True, ComputePlan(BF16, None, True, 8)),
     (EngineConfig(quantization="auto"), CPU, F32, "model type 'gpt2'", False, ComputePlan(F32, None, False, 32)),
@@ -68,16 +81,37 @@ F32, BF16, CUDA = torch.float32, torch.bfloat16, torch.device("cuda")
 def test_plan_compute_picks_the_forward_and_the_weights(config: EngineConfig, device: torch.device,
                                                         dtype: torch.dtype, unsupported: str | None, on_grid: bool,
                                                         expected: ComputePlan) -> None:
-    assert plan_compute(config, device, dtype, unsupported, on_grid, flags=frozenset({"avx512_bf16"})) == expected
+    assert plan_compute(config, device, dtype, unsupported, on_grid, flags=AVX512) == expected
 
 
+@needs_fbgemm
+@pytest.mark.parametrize(("config", "dtype", "expected"), [
+    # AVX2 alone: the int4 kernel beats float16 weights at 1-2 rows only
+    (EngineConfig(quantization="auto"), F32, ComputePlan(F32, "int4", True, 2)),
+    (EngineConfig(quantization="fp16"), F32, ComputePlan(F32, "fp16", True, 2)),
+    (EngineConfig(dtype="float32", quantization="auto"), F32, ComputePlan(F32, None, False, 32)),
+    (EngineConfig(dtype="bfloat16", quantization="auto"), BF16, ComputePlan(BF16, "int4", True, 8)),
+])
+def test_float32_plans_on_avx2_keep_int4_for_two_rows(config: EngineConfig, dtype: torch.dtype,
+                                                      expected: ComputePlan) -> None:
+    assert plan_compute(config, CPU, dtype, None, True, flags=AVX2) == expected
+
+
+def test_fp16_needs_float32_on_a_cpu() -> None:
+    with pytest.raises(ValueError, match="quantization 'fp16' needs"):
+        plan_compute(EngineConfig(quantization="fp16"), CPU, BF16, None, True, flags=AVX2)
+
+
+@needs_fbgemm
 def test_quantized_kernels_take_the_row_counts_where_they_beat_the_dense_matmul() -> None:
-    """The weight-only kernels serve calls of up to 4 rows beside AMX, 8 beside prepacked bf16 without AMX and 32
-    beside float32 (measured crossovers, ``config.QUANTIZED_MAX_ROWS_*``)."""
+    """The weight-only kernels serve calls of up to 4 rows beside AMX, 8 beside prepacked bf16 without AMX, 2
+    beside float16 weights with AVX2 alone and 16 with AVX-512 (measured crossovers but the last, an estimate:
+    ``config.QUANTIZED_MAX_ROWS_*``)."""
     config = EngineConfig(quantization="int4")
     assert plan_compute(config, CPU, BF16, None, True, frozenset({"amx_bf16"})).quantized_max_rows == 4
     assert plan_compute(config, CPU, BF16, None, True, frozenset({"avx512_bf16"})).quantized_max_rows == 8
-    assert plan_compute(config, CPU, F32, None, True, frozenset({"amx_bf16"})).quantized_max_rows == 32
+    assert plan_compute(config, CPU, F32, None, True, AVX2 | {"amx_bf16"}).quantized_max_rows == 2
+    assert plan_compute(config, CPU, F32, None, True, AVX512).quantized_max_rows == 16
 
 
 @pytest.mark.parametrize(("config", "device", "dtype", "unsupported"), [
@@ -93,15 +127,18 @@ def test_plan_compute_refuses_quantization_it_cannot_run(config: EngineConfig, d
 
 def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int4(snapped_llama: Path) -> None:
     """What a worker builds unconfigured (``quantization="auto"``, no dtype) where the CPU flags give float32:
-    the own decoder with float32 activations and the int4 kernels, a dense float32 copy for many rows."""
+    the own decoder with float32 activations and the int4 kernels for few rows, the dense weights float16 in
+    fbgemm's layout where torch has fbgemm (plain float32 elsewhere)."""
     config = EngineConfig(model=str(snapped_llama), quantization="auto")
     dtype = pick_dtype(config, CPU, frozenset({"avx2", "fma"}))
     model, decoder, compute = load_model(config, snapped_llama, CPU, dtype)
-    assert compute == ComputePlan(torch.float32, "int4", True, 32) and decoder is model
-    assert isinstance(decoder, Decoder) and decoder.embed.dtype == torch.float32
+    half = half_packs(CPU)
+    assert compute.dtype == torch.float32 and compute.quantization == "int4" and compute.own_decoder
+    assert isinstance(decoder, Decoder) and decoder is model and decoder.embed.dtype == torch.float32
     qkv = decoder.layers[0].qkv
-    assert qkv.quantization == "int4" and qkv.weight.dtype == torch.float32 and qkv.scales.dtype == torch.bfloat16
-    assert qkv.max_rows == 32 and not qkv.weight.is_mkldnn  # float32 dense weights stay in the plain layout
+    assert qkv.quantization == "int4" and qkv.max_rows == compute.quantized_max_rows
+    assert qkv.layout() == ("half" if half else "plain") and qkv.dense_weight().dtype == torch.float32
+    assert qkv.scales.dtype == torch.bfloat16
 
 
 def test_this_machine_reports_its_flags() -> None:

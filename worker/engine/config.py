@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES, dense_linear, prepack
+from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES, dense_linear, half_packs, prepack
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a modest fixed budget
 CUDA_FREE_FRACTION = 0.9  # of the memory still free after the weights are loaded
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE_METHODS = (None, "ngram", "draft")
-QUANTIZATIONS = (None, "none", "auto", "int8", "int4")
+QUANTIZATIONS = (None, "none", "auto", "int8", "int4", "fp16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
@@ -34,8 +34,16 @@ BF16_MIN_SPEEDUP = 1.5  # bf16 when a [32, 576] x [576, 1536] matmul (SmolLM2's 
 # Rows up to which the weight-only kernels beat the dense matmul, by the dense kernel (a decode step's matmuls,
 # weights streaming from memory, SmolLM2 shapes, 2 threads; docs/performance.md): AMX bf16 4 (Xeon 207, before
 # prepacking); prepacked bf16 on AVX512-BF16 8 (EPYC: int4 12.2 vs bf16 12.5 ms a step at 8 rows, 20.3 vs 15.4 at
-# 12); float32 32 (EPYC: int4 46 vs float32 78 ms at 32 rows; float32 dense only pays from prefill sizes).
+# 12); plain float32 32 (EPYC: int4 46 vs float32 78 ms at 32 rows; float32 dense only pays from prefill sizes).
 QUANTIZED_MAX_ROWS_AMX, QUANTIZED_MAX_ROWS_BF16, QUANTIZED_MAX_ROWS_FLOAT32 = 4, 8, 32
+# Beside float16 weights (fbgemm; float32 activations), which float32 layers keep under quantisation on x86: with
+# AVX2 alone the int4 kernel beats them at 1-2 rows (a step's projections 11.5 against 13.6 ms at one row, 12.8
+# against 14.2 at two) and loses from 4 (17.8 against 16.1), so 2; with AVX-512, where the kernel ran ~3x faster,
+# 16 is an estimate from the EPYC's int4 timings and AVX2's float16/float32 ratio, not measured.
+QUANTIZED_MAX_ROWS_HALF_AVX2, QUANTIZED_MAX_ROWS_HALF_AVX512 = 2, 16
+# The flags torch's AVX-512 kernels need (ATen's CPU capability "AVX512"); without them its int4 kernel is the
+# AVX2 one, several times slower.
+AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -65,9 +73,10 @@ class EngineConfig:
     ``quantization``: None or ``"none"`` (the model's weights in ``dtype``), ``"int8"`` or ``"int4"``: weight-only
     quantised Linear weights (int8 per output row; int4 in groups of 32 with an offset, GGUF Q4_1's layout)
     multiplied with bf16 activations for batches of a few rows, where a step reads weights; larger batches use the
-    same weights de-quantised to ``dtype`` (``linear.py``); CPU, float32 or bfloat16. ``"auto"``: int4 where that
-    loses nothing, i.e. on a CPU when the weights were de-quantised from 4-bit GGUF blocks (the built-in SmolLM2
-    is Q4_1) and float32 was not asked for, else none.
+    same weights de-quantised to ``dtype`` (``linear.py``; float16 in fbgemm's layout for a float32 layer on x86);
+    CPU, float32 or bfloat16. ``"fp16"``: float32 activations with every weight stored as float16 (fbgemm, x86
+    CPUs, float32 only). ``"auto"``: int4 where that loses nothing, i.e. on a CPU when the weights were de-quantised
+    from 4-bit GGUF blocks (the built-in SmolLM2 is Q4_1) and float32 was not asked for, else none.
     ``speculative_method``: None, ``"ngram"`` (prompt lookup) or ``"draft"`` (``draft_model``, a model sharing the
     target's tokenizer); each decoding request proposes up to ``num_speculative_tokens`` tokens per step, but only
     while at most ``speculative_max_batch`` requests run (above that verification costs more than it saves; see
@@ -127,7 +136,7 @@ class EngineConfig:
         _check(1 <= self.ngram_min <= self.ngram_max, "ngram_min", f"in [1, ngram_max={self.ngram_max}]",
                self.ngram_min)
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1", self.num_threads)
-        _check(self.quantization in QUANTIZATIONS, "quantization", "None, 'none', 'auto', 'int8' or 'int4'",
+        _check(self.quantization in QUANTIZATIONS, "quantization", "None, 'none', 'auto', 'int8', 'int4' or 'fp16'",
                self.quantization)
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", "'auto', 'sdpa' or 'flex'",
                self.attention_backend)
@@ -238,10 +247,13 @@ def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str]
     return torch.bfloat16 if fast_bf16_cpu(cpu_flags() if flags is None else flags, measure) else torch.float32
 
 
-def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str]) -> int:
-    """Rows up to which weight-only kernels beat the dense ``dtype`` matmul on a CPU with ``flags``."""
+def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str], half: bool) -> int:
+    """Rows up to which weight-only kernels beat the dense ``dtype`` matmul on a CPU with ``flags``; ``half``: the
+    dense weights of a float32 layer are float16 (fbgemm)."""
     if dtype == torch.float32:
-        return QUANTIZED_MAX_ROWS_FLOAT32
+        if not half:
+            return QUANTIZED_MAX_ROWS_FLOAT32
+        return QUANTIZED_MAX_ROWS_HALF_AVX512 if flags >= AVX512_CPU_FLAGS else QUANTIZED_MAX_ROWS_HALF_AVX2
     return QUANTIZED_MAX_ROWS_AMX if FAST_BF16_CPU_FLAGS & flags else QUANTIZED_MAX_ROWS_BF16
 
 
@@ -252,20 +264,26 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     grid per 32 columns (``on_int4_grid``: de-quantised from GGUF Q4_1 blocks).
 
     ``"auto"`` takes int4 on a CPU for weights on the grid (the model file's own 4-bit blocks, no extra loss) unless
-    float32 was asked for: ``dtype="float32"`` with no quantisation is transformers' exact forward, kept as the
-    reference. A float32 run the CPU picked (``dtype`` unset) is not that request and runs the own decoder.
+    float32 was asked for: ``dtype="float32"``
+    with no quantisation is transformers' exact forward, kept as the reference. A float32 run the CPU picked
+    (``dtype`` unset) is not that request and runs the own decoder.
     """
+    flags = cpu_flags() if flags is None else flags
     quantization = None if config.quantization == "none" else config.quantization
     if quantization == "auto":
         wanted = device.type == "cpu" and config.dtype != "float32" and unsupported is None and on_int4_grid
-        quantization = "int4" if wanted and dtype in QUANTIZED_COMPUTE_DTYPES else None
+        wanted = wanted and dtype in QUANTIZED_COMPUTE_DTYPES
+        quantization = "int4" if wanted else None
     if quantization is not None and (device.type != "cpu" or dtype not in QUANTIZED_COMPUTE_DTYPES or unsupported):
         raise ValueError(f"EngineConfig.quantization {quantization!r} needs device cpu, dtype float32 or bfloat16 "
                          f"and a Llama-family model, got {device.type}, {dtype} and {unsupported or 'a supported'}")
+    half = quantization is not None and dtype == torch.float32 and half_packs(device)
+    if quantization == "fp16" and not half:
+        raise ValueError(f"EngineConfig.quantization 'fp16' needs dtype float32 on a CPU with fbgemm (x86), got "
+                         f"{dtype}")
     exact = config.dtype == "float32" and quantization is None
-    max_rows = quantized_max_rows(dtype, cpu_flags() if flags is None else flags)
     return ComputePlan(dtype=dtype, quantization=quantization, own_decoder=unsupported is None and not exact,
-                       quantized_max_rows=max_rows)
+                       quantized_max_rows=quantized_max_rows(dtype, flags, half))
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:

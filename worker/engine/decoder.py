@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from worker.engine.attention import PagedContext, paged_attention
-from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, prepacks
+from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, half_packs, prepacks
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -85,6 +85,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return normed if x.dtype == torch.float32 else normed.to(x.dtype)
 
 
+def head_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The LM head's weights under the layers' ``quantization``: never int4 (GGUF files keep the head at 8 bits,
+    SmolLM2's is Q8_0, and int4 there costs far more quality than anywhere else in the model).
+
+    - bf16 on a CPU: prepacked bf16 alone; at one row it ran 2.1 ms against the int8 kernel's 2.4 (SmolLM2's
+      49152 x 576, EPYC) and agreed with the float32 head's top token more often (97.3% vs 96.0% of 2,048 positions).
+    - float32 with fbgemm: float16 weights, float32 activations (2.7 ms against the int8 kernel's 3.9 at one row,
+      22 against 47 for float32 at 32 rows, AVX2 EPYC; docs/performance.md).
+    - else int8, with the default row limit (4): the int8 kernel's time grows with the rows (2.4 ms at one, 6.1
+      at 8, 24 at 32) faster than the dense head's, so the projections' float32 limit (32) would not do.
+    """
+    if quantization is None or prepacks(dtype, device):
+        return None
+    return "fp16" if dtype == torch.float32 and half_packs(device) else "int8"
+
+
 class Decoder(nn.Module):
     """A Llama/Qwen2 causal LM over the paged KV cache. ``config``/``generation_config``: the source model's."""
 
@@ -105,14 +121,8 @@ class Decoder(nn.Module):
         self.rotary = inner.rotary_emb
         self.layers = nn.ModuleList(DecoderLayer(layer, dtype, quantization, max_rows) for layer in inner.layers)
         self.final_norm = inner.norm.weight.detach().float()
-        # Under either quantisation the LM head takes int8, not int4: GGUF files keep it at 8 bits (SmolLM2's is
-        # Q8_0), and int4 there costs far more quality than anywhere else in the model. A prepacked bf16 head needs
-        # no int8 copy: at one row it ran 2.1 ms against the int8 kernel's 2.4 (SmolLM2's 49152 x 576, EPYC), and
-        # agreed with the float32 head's top token more often (97.3% vs 96.0% of 2,048 positions).
-        # The int8 head keeps the old row limit (4): the int8 kernel's time grows with the rows (2.4 ms at one,
-        # 6.1 at 8, 24 at 32) faster than the float32 head's, so the projections' float32 limit (32) would not do.
-        head_quantization = None if quantization is None or prepacks(dtype, self.embed.device) else "int8"
-        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head_quantization)
+        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head_quantization(quantization, dtype,
+                                                                                         self.embed.device))
 
     def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, D]`` for ``x * cos + roll(x, D/2) * sin`` (== rotate_half form)."""
