@@ -15,6 +15,7 @@ from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.config import EnginePlan, ModelShape
 from worker.engine.decode_attention import (
     attend_decode,
+    attend_group,
     num_shared_blocks,
     plan_decode_groups,
     prepare_decode_batch,
@@ -135,11 +136,19 @@ def test_one_sequence_reads_exactly_its_keys(table: list[int]) -> None:
                                       max_model_len=32))
     k, v = torch.randn(7, KV_HEADS, DIM), torch.randn(7, KV_HEADS, DIM)  # 6 keys, then junk in slot 7
     cache.write(0, torch.tensor(prepare_slot_mapping(table, 0, 7, BLOCK)), k, v)
-    batch = prepare_decode_batch([0], [table], [6], BLOCK, CPU, share_prefix=True)
-    (group,) = batch.groups
-    assert group.num_keys == 6
-    assert group.block_range == ((2, 4) if table == [2, 3] else None)
     query = torch.randn(1, HEADS, DIM)
-    out = torch.zeros_like(query)
-    attend_decode(0, query, batch, cache, DIM ** -0.5, out)
-    torch.testing.assert_close(out[0], reference_decode(query[0], k[:6], v[:6]), rtol=1e-5, atol=1e-5)
+    expected = reference_decode(query[0], k[:6], v[:6])
+    # Without the cache at hand each layer slices its own views; with it (the model runner's way) the views of
+    # every layer are built once, and a decode-only step of this one group returns its attention directly.
+    for kv_cache in (None, cache):
+        batch = prepare_decode_batch([0], [table], [6], BLOCK, CPU, share_prefix=True, kv_cache=kv_cache)
+        (group,) = batch.groups
+        assert group.num_keys == 6
+        assert group.block_range == ((2, 4) if table == [2, 3] else None)
+        assert (group.lone_kv is not None) == (kv_cache is not None and group.block_range is not None)
+        assert batch.whole_step(1) is group and batch.whole_step(2) is None
+        out = torch.zeros_like(query)
+        attend_decode(0, query, batch, cache, DIM ** -0.5, out)
+        torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attend_group(0, query, group, cache, DIM ** -0.5)[0], expected, rtol=1e-5,
+                                   atol=1e-5)

@@ -48,10 +48,9 @@ def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = Non
     """(decoder logits, transformers logits) per sequence, both from weights loaded in float32 and run in ``dtype``."""
     source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     decoder = Decoder(source, dtype, quantization)
-    runner = ModelRunner(EngineConfig(model=str(model_path), dtype="float32", block_size=BLOCK, num_kv_blocks=16,
-                                      device="cpu"), model_path)
-    runner.kv_cache.keys = [k.to(dtype) for k in runner.kv_cache.keys]
-    runner.kv_cache.values = [v.to(dtype) for v in runner.kv_cache.values]
+    # The runner only lays out the steps and holds the KV cache, in ``dtype``; ``decoder`` computes them.
+    runner = ModelRunner(EngineConfig(model=str(model_path), dtype=str(dtype).removeprefix("torch."),
+                                      block_size=BLOCK, num_kv_blocks=16, device="cpu"), model_path)
     sequences = [[5, 17, 99, 3, 42, 8, 250, 13, 77, 64, 1000, 2, 31], [7, 300, 11, 12, 500, 6, 9, 21, 4]]
     prefill = 6
     got = decoder_logits(decoder, runner, sequences, prefill)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from worker.engine.decode_attention import DecodeBatch, attend_decode
+from worker.engine.decode_attention import DecodeBatch, attend_decode, attend_group
 from worker.engine.flex_attention import FlexStep, attend_flex
 from worker.engine.kv_cache import KVCache
 
@@ -92,6 +92,10 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     """
     meta = ctx.metadata
     ctx.kv_cache.write(layer, meta.slot_mapping, key, value)
+    if meta.decode is not None and not meta.prefills and meta.flex is None:
+        whole = meta.decode.whole_step(query.shape[0])
+        if whole is not None:  # one group holds the step: no output buffer to fill (e.g. one stream's decode)
+            return attend_group(layer, query, whole, ctx.kv_cache, scale)
     out = torch.empty_like(query)
     if meta.flex is not None:
         attend_flex(layer, query, meta.flex, ctx.kv_cache, scale, out)

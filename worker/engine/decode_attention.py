@@ -53,6 +53,9 @@ class DecodeGroup:
     # blocks as (first, end) when their ids are consecutive, which makes its K/V a view of the cache, not a copy.
     num_keys: int | None = None
     block_range: tuple[int, int] | None = None
+    # Those keys and values in every layer, as views laid out for attention (``KVCache.block_range_all``, two
+    # [num_layers, 1, kvh, num_keys, D]): built once per step where the cache was at hand, so a layer indexes them.
+    lone_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,13 @@ class DecodeBatch:
     """All single-token queries of one step, as disjoint groups."""
 
     groups: tuple[DecodeGroup, ...]
+
+    def whole_step(self, num_tokens: int) -> DecodeGroup | None:
+        """The one group when it holds all ``num_tokens`` of the step in order (a decode-only step of one group,
+        e.g. one stream): its attention is then the step's, with no output to scatter into."""
+        if len(self.groups) == 1 and self.groups[0].token_range == (0, num_tokens):
+            return self.groups[0]
+        return None
 
 
 def num_shared_blocks(tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int) -> int:
@@ -125,8 +135,10 @@ def plan_decode_groups(tables: Sequence[Sequence[int]], context_lens: Sequence[i
 
 def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int]], context_lens: Sequence[int],
                          block_size: int, device: torch.device, share_prefix: bool,
-                         min_tokens_saved: int = MIN_SHARED_TOKENS_SAVED) -> DecodeBatch:
-    """Index tensors for the decode queries; ``share_prefix`` enables cascade groups over common blocks."""
+                         min_tokens_saved: int = MIN_SHARED_TOKENS_SAVED, kv_cache: KVCache | None = None
+                         ) -> DecodeBatch:
+    """Index tensors for the decode queries; ``share_prefix`` enables cascade groups over common blocks. With the
+    ``kv_cache``, a lone sequence on consecutive blocks gets its K/V views of every layer built here, once."""
     plan = plan_decode_groups(tables, context_lens, block_size, min_tokens_saved if share_prefix else math.inf)
     groups = []
     for rows, num_shared in plan:
@@ -139,14 +151,18 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
         alone = len(rows) == 1 and not num_shared
         table = own_tables[0]
         consecutive = alone and list(table) == list(range(table[0], table[0] + len(table)))
+        block_range = (table[0], table[0] + len(table)) if consecutive else None
+        num_keys = context_lens[rows[0]] if alone else None
         groups.append(DecodeGroup(
             token_idx=torch.tensor(idx, dtype=torch.long, device=device),
             token_range=(idx[0], idx[0] + len(idx)) if in_order else None,
             shared_block_ids=shared,
             block_tables=prepare_block_tables(own_tables, device),
             key_mask=(torch.arange(width, device=device)[None, :] < own_lens[:, None])[:, None, None, :],
-            num_keys=context_lens[rows[0]] if alone else None,
-            block_range=(table[0], table[0] + len(table)) if consecutive else None,
+            num_keys=num_keys,
+            block_range=block_range,
+            lone_kv=(kv_cache.block_range_all(*block_range, context_lens[rows[0]])
+                     if kv_cache is not None and block_range is not None else None),
         ))
     return DecodeBatch(tuple(groups))
 
@@ -156,13 +172,13 @@ def attend_decode(layer: int, query: torch.Tensor, batch: DecodeBatch, kv_cache:
     """Write the decode queries' attention into ``out``. ``query`` and ``out``: [T, H, D], the whole step."""
     for group in batch.groups:
         if group.token_range is not None:
-            out[group.token_range[0]:group.token_range[1]] = _attend_group(layer, query, group, kv_cache, scale)
+            out[group.token_range[0]:group.token_range[1]] = attend_group(layer, query, group, kv_cache, scale)
         else:
-            out[group.token_idx] = _attend_group(layer, query, group, kv_cache, scale)
+            out[group.token_idx] = attend_group(layer, query, group, kv_cache, scale)
 
 
-def _attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache: KVCache,
-                  scale: float) -> torch.Tensor:
+def attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache: KVCache,
+                 scale: float) -> torch.Tensor:
     """``query``: [T, H, D]; returns [Bg, H, D]."""
     num_seqs, num_heads, head_dim = len(group.token_idx), query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.num_kv_heads
@@ -170,14 +186,11 @@ def _attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache:
     # consecutively as transformers' repeat_kv assumes.
     rows = query[group.token_idx] if group.token_range is None else query[group.token_range[0]:group.token_range[1]]
     q = rows.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bg, kvh, g, D]
-    if group.block_range is not None:
-        keys, values = kv_cache.block_range(layer, *group.block_range)  # [1, S, kvh, D], views
-    else:
-        keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
-    if group.num_keys is not None:
-        keys, values = keys[:, :group.num_keys], values[:, :group.num_keys]
     # A transposed view, not a copy: the fused CPU kernel reads strided K/V faster than a contiguous copy costs.
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [Bg, kvh, S, D]
+    if group.lone_kv is not None:
+        keys, values = group.lone_kv[0][layer], group.lone_kv[1][layer]  # [1, kvh, S, D], views built per step
+    else:
+        keys, values = _group_kv(layer, group, kv_cache)  # [Bg, kvh, S, D]
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     if group.shared_block_ids is None:
@@ -186,6 +199,17 @@ def _attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache:
     else:
         out = _attend_cascade(layer, q, keys, values, group, kv_cache, scale)
     return out.reshape(num_seqs, num_heads, head_dim)  # out: [Bg, kvh, g, D]
+
+
+def _group_kv(layer: int, group: DecodeGroup, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's K/V of ``layer``: two [Bg, kvh, S, D], views of the cache where its blocks are consecutive."""
+    if group.block_range is not None:
+        keys, values = kv_cache.block_range(layer, *group.block_range)  # [1, S, kvh, D], views
+    else:
+        keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
+    if group.num_keys is not None:
+        keys, values = keys[:, :group.num_keys], values[:, :group.num_keys]
+    return keys.transpose(1, 2), values.transpose(1, 2)
 
 
 def _attend_cascade(layer: int, q: torch.Tensor, own_keys: torch.Tensor, own_values: torch.Tensor,

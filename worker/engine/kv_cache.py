@@ -27,15 +27,19 @@ class KVCache:
         self.num_blocks = plan.num_kv_blocks + int(scratch_block)
         self.num_kv_heads = shape.num_kv_heads
         self.scratch_slot = plan.num_kv_blocks * plan.block_size if scratch_block else None
-        dims = (self.num_blocks, plan.block_size, shape.num_kv_heads, shape.head_dim)
-        # keys[layer], values[layer]: [num_blocks, block_size, kv_heads, head_dim]
-        self.keys = [torch.zeros(dims, dtype=plan.dtype, device=plan.device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(dims, dtype=plan.dtype, device=plan.device) for _ in range(shape.num_layers)]
+        dims = (shape.num_layers, self.num_blocks, plan.block_size, shape.num_kv_heads, shape.head_dim)
+        # One tensor per side for all layers, so that a step can view every layer's K/V of one request at once
+        # (``block_range_all``); keys[layer], values[layer]: [num_blocks, block_size, kv_heads, head_dim] views.
+        self.key_pool = torch.zeros(dims, dtype=plan.dtype, device=plan.device)
+        self.value_pool = torch.zeros(dims, dtype=plan.dtype, device=plan.device)
+        self.keys, self.values = list(self.key_pool.unbind(0)), list(self.value_pool.unbind(0))
+        # [num_blocks * block_size, kvh, hd] per layer: the slots ``write`` addresses, viewed once, not per call
+        self._flat_keys = [k.view(-1, *dims[3:]) for k in self.keys]
+        self._flat_values = [v.view(-1, *dims[3:]) for v in self.values]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store new tokens' K/V. ``slot_mapping``: [T]; ``key``/``value``: [T, kv_heads, head_dim]."""
-        k_flat = self.keys[layer].view(-1, *self.keys[layer].shape[2:])  # [num_blocks * block_size, kvh, hd]
-        v_flat = self.values[layer].view(-1, *self.values[layer].shape[2:])
+        k_flat, v_flat = self._flat_keys[layer], self._flat_values[layer]
         if key.dtype != k_flat.dtype:  # a no-op .to() still costs a dispatch, 60 times a step
             key, value = key.to(k_flat.dtype), value.to(v_flat.dtype)
         k_flat.index_copy_(0, slot_mapping, key)
@@ -58,14 +62,24 @@ class KVCache:
         shape = (1, (end - first) * self.block_size, *self.keys[layer].shape[2:])
         return self.keys[layer][first:end].view(shape), self.values[layer][first:end].view(shape)
 
+    def block_range_all(self, first: int, end: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``num_keys`` keys and values of the consecutive blocks ``first..end-1`` in every layer, as
+        views laid out for attention: two [num_layers, 1, kvh, num_keys, hd] (a layer's is ``block_range``'s,
+        cut to ``num_keys`` and transposed). Built once per step, so each layer only indexes it."""
+        num_layers, _, _, num_kv_heads, head_dim = self.key_pool.shape
+        shape = (num_layers, 1, (end - first) * self.block_size, num_kv_heads, head_dim)
+        keys = self.key_pool[:, first:end].view(shape)[:, :, :num_keys].transpose(2, 3)
+        values = self.value_pool[:, first:end].view(shape)[:, :, :num_keys].transpose(2, 3)
+        return keys, values
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate blocks ``src -> dst`` in every layer, before a request writes into its copy."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.keys[0].device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.keys[0].device)
-        for cache in (*self.keys, *self.values):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+        for pool in (self.key_pool, self.value_pool):  # [L, num_blocks, ...]: every layer's blocks at once
+            pool.index_copy_(1, dst, pool.index_select(1, src))
 
 
 def prepare_slot_mapping(block_ids: Sequence[int], start: int, num_tokens: int, block_size: int) -> list[int]:

@@ -150,8 +150,11 @@ class PackedLinear(nn.Module):
         self.dense_bias = None if self.half else self.bias
         self.casts = self.codes is not None and dtype != KERNEL_DTYPE  # float32 rows go to a kernel as bf16
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: [..., K] -> [..., N]. 2-d inputs (the decoder's) skip the reshapes: a step makes ~120 calls."""
+    def forward(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
+        """``x``: [..., K] -> [..., N]. 2-d inputs (the decoder's) skip the reshapes: a step makes ~120 calls.
+
+        ``cast_back=False`` may return a kernel's bf16 result as it is, for a caller that adds it to a tensor of
+        the compute dtype: type promotion then gives the same sum as the cast would, one op fewer."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.codes is None or rows.shape[0] > self.max_rows:
             out = dense_linear(rows, self.weight, self.dense_bias)
@@ -161,7 +164,7 @@ class PackedLinear(nn.Module):
                 out = torch._weight_int8pack_mm(few, self.codes, self.scales)
             else:
                 out = torch.ops.aten._weight_int4pack_mm_for_cpu(few, self.codes, INT4_GROUP_SIZE, self.scales)
-            if self.casts:
+            if self.casts and (cast_back or self.bias is not None):
                 out = out.to(rows.dtype)
             if self.bias is not None:
                 out = out + self.bias

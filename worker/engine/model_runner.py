@@ -179,7 +179,7 @@ class ModelRunner:
             decode = None
             if single_idx:
                 decode = prepare_decode_batch(single_idx, single_tables, single_lens, block_size, device,
-                                              share_prefix=self.cascade_attention)
+                                              share_prefix=self.cascade_attention, kv_cache=self.kv_cache)
             metadata = AttentionMetadata(slot_mapping, decode, tuple(prefills))
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
