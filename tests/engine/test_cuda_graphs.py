@@ -37,7 +37,8 @@ def test_only_plain_decode_steps_take_the_static_path() -> None:
 
 
 def _engine(model: Path, dtype: str | None = "float32", **kwargs: object) -> Engine:
-    return Engine(EngineConfig(model=str(model), dtype=dtype, block_size=8, num_kv_blocks=32, max_num_seqs=4,
+    # 16-token blocks: the CPU flex kernel needs a multiple of 16 (config.FLEX_CPU_BLOCK_MULTIPLE)
+    return Engine(EngineConfig(model=str(model), dtype=dtype, block_size=16, num_kv_blocks=32, max_num_seqs=4,
                                **kwargs))  # type: ignore[arg-type]
 
 
@@ -45,14 +46,14 @@ def test_fill_pads_rows_past_the_batch(tiny_llama: Path) -> None:
     engine = _engine(tiny_llama, attention_backend="flex", cuda_graphs="padded")
     graphs, cache = engine.runner.graphs, engine.runner.kv_cache
     assert graphs is not None and not graphs.capture and graphs.buckets == (1, 2, 4)
-    assert cache.num_blocks == 33 and cache.scratch_slot == 32 * 8  # one scratch block past the pool
-    chunks = [ScheduledChunk("a", (11,), 9, (3, 5), True), ScheduledChunk("b", (12,), 0, (7,), True),
-              ScheduledChunk("c", (13,), 17, (1, 2, 4), True)]
+    assert cache.num_blocks == 33 and cache.scratch_slot == 32 * 16  # one scratch block past the pool
+    chunks = [ScheduledChunk("a", (11,), 19, (3, 5), True), ScheduledChunk("b", (12,), 0, (7,), True),
+              ScheduledChunk("c", (13,), 35, (1, 2, 4), True)]
     static = graphs._static[4]
     graphs._fill(static, chunks)
-    assert static.input_ids.tolist() == [11, 12, 13, 0] and static.positions.tolist() == [9, 0, 17, 0]
-    assert static.slot_mapping.tolist() == [5 * 8 + 1, 7 * 8, 4 * 8 + 1, 32 * 8]
-    assert static.index.context_lens.tolist() == [10, 1, 18, 1]
+    assert static.input_ids.tolist() == [11, 12, 13, 0] and static.positions.tolist() == [19, 0, 35, 0]
+    assert static.slot_mapping.tolist() == [5 * 16 + 3, 7 * 16, 4 * 16 + 3, 32 * 16]
+    assert static.index.context_lens.tolist() == [20, 1, 36, 1]
     assert static.index.kv_num_blocks[:, 0, 0].tolist() == [2, 1, 3, 1]
     assert static.index.kv_indices[2, 0, 0, :3].tolist() == [1, 2, 4]
     assert static.index.to_logical[0, [3, 5, 7]].tolist() == [0, 1, -1]

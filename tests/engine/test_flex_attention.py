@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tests.engine.helpers import mixed_workload
 from tests.engine.test_engine_parity import check_parity
 from worker.engine import EngineConfig
-from worker.engine.config import EnginePlan, ModelShape
+from worker.engine.config import EnginePlan, ModelShape, pick_attention_backend, pick_cuda_graphs
 from worker.engine.flex_attention import (
     FlexStep,
     attend_flex,
@@ -107,8 +107,16 @@ def test_engine_on_compiled_flex_matches_generate(tiny_llama: Path) -> None:
     print(f"compiled flex engine run: {time.perf_counter() - began:.1f} s")
 
 
+def test_flex_on_a_cpu_needs_blocks_of_a_multiple_of_16() -> None:
+    """8-token blocks made the compiled CPU kernel attend wrongly on an AVX2 CPU (config.pick_attention_backend)."""
+    with pytest.raises(ValueError, match="block_size must be a multiple of 16"):
+        pick_attention_backend(EngineConfig(attention_backend="flex", block_size=8), CPU)
+    assert pick_attention_backend(EngineConfig(attention_backend="flex", block_size=8), torch.device("cuda")) == "flex"
+    assert pick_attention_backend(EngineConfig(attention_backend="flex", block_size=32), CPU) == "flex"
+    assert pick_attention_backend(EngineConfig(block_size=8), CPU) == "sdpa"
+
+
 def test_auto_picks_flex_only_on_cuda() -> None:
-    from worker.engine.config import pick_attention_backend, pick_cuda_graphs
 
     auto = EngineConfig()
     assert pick_attention_backend(auto, CPU) == "sdpa" and pick_attention_backend(auto, torch.device("cuda")) == "flex"

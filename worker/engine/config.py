@@ -23,6 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 QUANTIZATIONS = (None, "none", "auto", "int8", "int4", "fp16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+FLEX_CPU_BLOCK_MULTIPLE = 16  # KV block sizes inductor's CPU flex kernel got right everywhere it was tried
 CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
 # tiles always do. AVX512-BF16 without AMX depends on the CPU, so it is measured (``bf16_matmul_speedup``): on an
@@ -187,10 +188,18 @@ def pick_device(config: EngineConfig) -> torch.device:
 
 
 def pick_attention_backend(config: EngineConfig, device: torch.device) -> str:
-    """``"flex"`` or ``"sdpa"``: the configured one; ``"auto"`` is flex on CUDA, sdpa elsewhere."""
-    if config.attention_backend != "auto":
-        return config.attention_backend
-    return "flex" if device.type == "cuda" else "sdpa"
+    """``"flex"`` or ``"sdpa"``: the configured one; ``"auto"`` is flex on CUDA, sdpa elsewhere.
+
+    Flex on a CPU needs KV blocks of a multiple of ``FLEX_CPU_BLOCK_MULTIPLE`` tokens: with 8-token blocks
+    inductor's CPU flex kernel (torch 2.13) attended wrongly on an AVX2 EPYC (greedy tokens off from the second
+    step), while 16 and 32 matched the gathered path and 8 had matched on AVX-512 CPUs."""
+    backend = config.attention_backend
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    _check(backend != "flex" or device.type != "cpu" or config.block_size % FLEX_CPU_BLOCK_MULTIPLE == 0,
+           "block_size", f"a multiple of {FLEX_CPU_BLOCK_MULTIPLE} for the flex attention backend on a CPU",
+           config.block_size)
+    return backend
 
 
 def pick_cuda_graphs(config: EngineConfig, device: torch.device, backend: str, own_decoder: bool) -> str:
