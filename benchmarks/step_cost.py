@@ -36,6 +36,8 @@ SYSTEMS = {
     "int4": {"quantization": "int4"},
     "bf16_int4": {"dtype": "bfloat16", "quantization": "int4"},  # the two activation dtypes, whatever the CPU
     "fp32_int4": {"dtype": "float32", "quantization": "int4"},
+    "fp16": {"quantization": "fp16"},  # float16 weights (fbgemm), float32 activations: x86 CPUs without fast bf16
+    "decoder": {"quantization": "none"},  # the own decoder with the weights in the picked dtype, unquantised
 }
 
 
