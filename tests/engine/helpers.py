@@ -5,9 +5,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from worker.engine import Engine, SamplingParams, StepOutput
+from worker.engine.linear import half_packs
+
+# float16 weights (``--quantization fp16``, float32 layers' dense copies) need fbgemm: torch's x86 builds
+needs_fbgemm = pytest.mark.skipif(not half_packs(torch.device("cpu")), reason="no fbgemm (x86 builds of torch)")
 
 
 @dataclass

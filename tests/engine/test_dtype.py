@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import _save_tiny
+from tests.engine.helpers import needs_fbgemm
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.config import (
     ComputePlan,
@@ -58,7 +59,6 @@ def test_configured_dtype_overrides_the_hardware_and_quantization_does_not() -> 
 F32, BF16, CUDA = torch.float32, torch.bfloat16, torch.device("cuda")
 AVX2 = frozenset({"avx2", "fma"})
 AVX512 = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
-needs_fbgemm = pytest.mark.skipif(not half_packs(CPU), reason="float16 weights need fbgemm (x86 builds of torch)")
 
 
 @needs_fbgemm

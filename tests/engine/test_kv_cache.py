@@ -27,9 +27,9 @@ def test_layers_are_views_of_one_pool_and_writes_land_in_their_slots() -> None:
     assert not cache.key_pool[0].any() and not cache.key_pool[2].any()  # other layers untouched
 
 
-def test_block_range_all_is_every_layers_block_range_cut_and_transposed() -> None:
+def test_block_range_all_is_every_layers_gather_cut_and_transposed() -> None:
     """What a lone request's decode reads in each layer: the first ``num_keys`` keys of its consecutive blocks,
-    laid out [1, kvh, S, D], as views (later writes show through)."""
+    laid out [1, kvh, S, D], as views (later writes show through): the gather of its table, without the copy."""
     cache = make_cache()
     torch.manual_seed(0)
     cache.key_pool.normal_()
@@ -37,7 +37,7 @@ def test_block_range_all_is_every_layers_block_range_cut_and_transposed() -> Non
     keys, values = cache.block_range_all(3, 5, num_keys=6)
     assert keys.shape == values.shape == (LAYERS, 1, KV_HEADS, 6, DIM)
     for layer in range(LAYERS):
-        own_keys, own_values = cache.block_range(layer, 3, 5)  # [1, 8, kvh, D]
+        own_keys, own_values = cache.gather(layer, torch.tensor([[3, 4]]))  # [1, 8, kvh, D]
         assert torch.equal(keys[layer], own_keys[:, :6].transpose(1, 2))
         assert torch.equal(values[layer], own_values[:, :6].transpose(1, 2))
     cache.write(2, torch.tensor([3 * BLOCK + 5]), torch.ones(1, KV_HEADS, DIM), torch.ones(1, KV_HEADS, DIM))

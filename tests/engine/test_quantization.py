@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.engine.helpers import needs_fbgemm
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.attention import PagedContext
 from worker.engine.decoder import Decoder
@@ -18,7 +19,6 @@ from worker.engine.linear import (
     QUANTIZED_MAX_ROWS,
     PackedLinear,
     dense_linear,
-    half_packs,
     lies_on_int4_grid,
     prepack,
     prepacks,
@@ -105,7 +105,20 @@ def test_a_bf16_decoder_prepacks_its_dense_weights_and_keeps_its_head_out_of_int
     assert bf16.lm_head.quantization is None and bf16.layers[0].qkv.quantization == "int4"
 
 
-needs_fbgemm = pytest.mark.skipif(not half_packs(torch.device("cpu")), reason="no fbgemm (x86 builds of torch)")
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_kernel_result_left_in_bf16_adds_to_the_same_float32_sum(bias: bool) -> None:
+    """``cast_back=False`` (the decoder's o and down projections) hands back the kernel's bf16 rows, and adding them
+    to a float32 residual gives exactly the sum the cast would; with a bias (added in float32) it casts anyway.
+    Dense calls are unchanged."""
+    torch.manual_seed(0)
+    linear = PackedLinear(torch.randn(96, 128) * 0.05, torch.randn(96) * 0.1 if bias else None, torch.float32,
+                          "int4", max_rows=2)
+    residual, few, many = torch.randn(2, 96), torch.randn(2, 128), torch.randn(3, 128)
+    with torch.inference_mode():
+        kept = linear(few, cast_back=False)
+        assert kept.dtype == (torch.float32 if bias else torch.bfloat16)
+        assert torch.equal(residual + kept, residual + linear(few))
+        assert torch.equal(linear(many, cast_back=False), linear(many))
 
 
 @needs_fbgemm

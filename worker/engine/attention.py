@@ -92,7 +92,7 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     """
     meta = ctx.metadata
     ctx.kv_cache.write(layer, meta.slot_mapping, key, value)
-    if meta.decode is not None and not meta.prefills and meta.flex is None:
+    if meta.decode is not None and not meta.prefills:  # (a flex step has no decode batch)
         whole = meta.decode.whole_step(query.shape[0])
         if whole is not None:  # one group holds the step: no output buffer to fill (e.g. one stream's decode)
             return attend_group(layer, query, whole, ctx.kv_cache, scale)

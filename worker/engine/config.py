@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES, dense_linear, half_packs, prepack
+from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES, dense_linear, keeps_half, prepack
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a modest fixed budget
@@ -286,7 +286,7 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if quantization is not None and (device.type != "cpu" or dtype not in QUANTIZED_COMPUTE_DTYPES or unsupported):
         raise ValueError(f"EngineConfig.quantization {quantization!r} needs device cpu, dtype float32 or bfloat16 "
                          f"and a Llama-family model, got {device.type}, {dtype} and {unsupported or 'a supported'}")
-    half = quantization is not None and dtype == torch.float32 and half_packs(device)
+    half = keeps_half(quantization, dtype, device)
     if quantization == "fp16" and not half:
         raise ValueError(f"EngineConfig.quantization 'fp16' needs dtype float32 on a CPU with fbgemm (x86), got "
                          f"{dtype}")

@@ -50,11 +50,12 @@ class DecodeGroup:
     # then they are read and written as slices, without a gather and a scatter per layer.
     token_range: tuple[int, int] | None = None
     # A plain group of one sequence (one stream) reads exactly its keys, without a mask: its length, and its
-    # blocks as (first, end) when their ids are consecutive, which makes its K/V a view of the cache, not a copy.
+    # blocks as (first, end) when their ids are consecutive, which makes its K/V a view of the cache, not a copy:
+    # ``lone_kv``, those keys and values of every layer laid out for attention (``KVCache.block_range_all``, two
+    # [num_layers, 1, kvh, num_keys, D]), built once per step where the cache was at hand (the model runner's
+    # way); without it, the group's K/V are gathered per layer.
     num_keys: int | None = None
     block_range: tuple[int, int] | None = None
-    # Those keys and values in every layer, as views laid out for attention (``KVCache.block_range_all``, two
-    # [num_layers, 1, kvh, num_keys, D]): built once per step where the cache was at hand, so a layer indexes them.
     lone_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -202,11 +203,8 @@ def attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache: 
 
 
 def _group_kv(layer: int, group: DecodeGroup, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's K/V of ``layer``: two [Bg, kvh, S, D], views of the cache where its blocks are consecutive."""
-    if group.block_range is not None:
-        keys, values = kv_cache.block_range(layer, *group.block_range)  # [1, S, kvh, D], views
-    else:
-        keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
+    """The group's K/V of ``layer``, gathered from its block tables: two [Bg, kvh, S, D]."""
+    keys, values = kv_cache.gather(layer, group.block_tables)  # [Bg, S, kvh, D]
     if group.num_keys is not None:
         keys, values = keys[:, :group.num_keys], values[:, :group.num_keys]
     return keys.transpose(1, 2), values.transpose(1, 2)

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from worker.engine.attention import PagedContext, paged_attention
-from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, half_packs, prepacks
+from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, keeps_half, prepacks
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -102,7 +102,7 @@ def head_quantization(quantization: str | None, dtype: torch.dtype, device: torc
     """
     if quantization is None or prepacks(dtype, device):
         return None
-    return "fp16" if dtype == torch.float32 and half_packs(device) else "int8"
+    return "fp16" if keeps_half(quantization, dtype, device) else "int8"
 
 
 class Decoder(nn.Module):

@@ -56,16 +56,11 @@ class KVCache:
         values = self.values[layer].view(self.num_blocks, -1).index_select(0, flat_ids).view(shape)
         return keys, values
 
-    def block_range(self, layer: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the consecutive blocks ``first..end-1`` as views (no copy): two [1, (end - first) * block_size,
-        kvh, hd]. What ``gather`` returns for the table ``[first, ..., end - 1]``."""
-        shape = (1, (end - first) * self.block_size, *self.keys[layer].shape[2:])
-        return self.keys[layer][first:end].view(shape), self.values[layer][first:end].view(shape)
-
     def block_range_all(self, first: int, end: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_keys`` keys and values of the consecutive blocks ``first..end-1`` in every layer, as
-        views laid out for attention: two [num_layers, 1, kvh, num_keys, hd] (a layer's is ``block_range``'s,
-        cut to ``num_keys`` and transposed). Built once per step, so each layer only indexes it."""
+        views laid out for attention, no copy: two [num_layers, 1, kvh, num_keys, hd] (a layer's is what ``gather``
+        returns for the table ``[first, ..., end - 1]``, cut to ``num_keys`` and transposed). Built once per step,
+        so each layer only indexes it."""
         num_layers, _, _, num_kv_heads, head_dim = self.key_pool.shape
         shape = (num_layers, 1, (end - first) * self.block_size, num_kv_heads, head_dim)
         keys = self.key_pool[:, first:end].view(shape)[:, :, :num_keys].transpose(2, 3)

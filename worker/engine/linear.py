@@ -59,6 +59,12 @@ def half_packs(device: torch.device) -> bool:
     return device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def keeps_half(quantization: str | None, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a layer under ``quantization`` computing in ``dtype`` keeps its dense weights as float16
+    (``half_pack``): under any quantisation of a float32 layer where fbgemm can pack them."""
+    return quantization is not None and dtype == torch.float32 and half_packs(device)
+
+
 def half_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.ScriptObject:
     """``weight`` [N, K] rounded to float16 and packed, with the float32 ``bias``, for ``dense_linear``."""
     return torch.ops.quantized.linear_prepack_fp16(weight.float(), None if bias is None else bias.float())
@@ -124,7 +130,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
         if quantization is not None and dtype not in QUANTIZED_COMPUTE_DTYPES:
             raise ValueError(f"quantized layers compute in one of {QUANTIZED_COMPUTE_DTYPES}, got {dtype}")
-        self.half = quantization is not None and dtype == torch.float32 and half_packs(weight.device)
+        self.half = keeps_half(quantization, dtype, weight.device)
         if quantization == "fp16" and not self.half:
             raise ValueError(f"quantization 'fp16' needs dtype float32 on a CPU with fbgemm, got {dtype} on "
                              f"{weight.device.type}")
