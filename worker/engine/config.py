@@ -273,16 +273,14 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     grid per 32 columns (``on_int4_grid``: de-quantised from GGUF Q4_1 blocks).
 
     ``"auto"`` takes int4 on a CPU for weights on the grid (the model file's own 4-bit blocks, no extra loss) unless
-    float32 was asked for: ``dtype="float32"``
-    with no quantisation is transformers' exact forward, kept as the reference. A float32 run the CPU picked
-    (``dtype`` unset) is not that request and runs the own decoder.
+    float32 was asked for: ``dtype="float32"`` with no quantisation is transformers' exact forward, kept as the
+    reference. A float32 run the CPU picked (``dtype`` unset) is not that request and runs the own decoder.
     """
     flags = cpu_flags() if flags is None else flags
     quantization = None if config.quantization == "none" else config.quantization
     if quantization == "auto":
         wanted = device.type == "cpu" and config.dtype != "float32" and unsupported is None and on_int4_grid
-        wanted = wanted and dtype in QUANTIZED_COMPUTE_DTYPES
-        quantization = "int4" if wanted else None
+        quantization = "int4" if wanted and dtype in QUANTIZED_COMPUTE_DTYPES else None
     if quantization is not None and (device.type != "cpu" or dtype not in QUANTIZED_COMPUTE_DTYPES or unsupported):
         raise ValueError(f"EngineConfig.quantization {quantization!r} needs device cpu, dtype float32 or bfloat16 "
                          f"and a Llama-family model, got {device.type}, {dtype} and {unsupported or 'a supported'}")
