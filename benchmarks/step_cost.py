@@ -7,9 +7,9 @@
 - 32 streams: the first 32 requests of offline_throughput.py's mixed workload (16-256 prompt tokens, 8-256 new
   tokens), all submitted at once; output tok/s.
 Systems run interleaved, round after round, so that load from other jobs on a shared machine hits them alike.
-``--steps N`` measures instead the steady decode step itself, at batch 1 and at batch 32 (64-token prompts),
-alternating single steps between the systems N times: the median ms/step of each is immune to load drifting
-between whole runs (on a shared machine whole runs of the same system differed by 2-3x).
+``--steps N`` measures instead the steady decode step itself, by default at batch 1 and at batch 32 (``--batches``;
+64-token prompts), alternating single steps between the systems N times: the median ms/step of each is immune to load
+drifting between whole runs (on a shared machine whole runs of the same system differed by 2-3x).
 Each line names the compute plan the system got (dtype, quantisation, which forward) and the process CPU time
 per step beside the wall time. ``--checkout`` imports the engine from another checkout (e.g. the main branch)
 to measure "before" in a second process alternating with this one; ``int8`` there is the old dynamic-activation
@@ -100,6 +100,7 @@ def main() -> int:
     parser.add_argument("--checkout", type=Path, default=HERE.parent, help="the repository whose engine to run")
     parser.add_argument("--label", default="", help="a prefix for the system names in the output")
     parser.add_argument("--steps", type=int, default=0, help="measure N interleaved decode steps instead")
+    parser.add_argument("--batches", default="1,32", help="running requests for --steps, comma-separated")
     args = parser.parse_args()
     sys.path.insert(0, str(args.checkout.resolve()))
     sys.path.insert(1, str(HERE))
@@ -116,7 +117,7 @@ def main() -> int:
     for engine in engines.values():  # warm-up: first-call allocations and kernel selection
         engine.generate([list(range(1000, 1016))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     if args.steps:
-        for batch in (1, 32):
+        for batch in (int(b) for b in args.batches.split(",")):
             medians = interleaved_steps(engines, SamplingParams, batch, args.steps)
             for name, (seconds, cpu_seconds) in medians.items():
                 compute = getattr(engines[name].runner, "compute", None)  # absent in checkouts before issue 15

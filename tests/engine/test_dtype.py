@@ -104,11 +104,10 @@ def test_fp16_needs_float32_on_a_cpu() -> None:
 
 @needs_fbgemm
 def test_quantized_kernels_take_the_row_counts_where_they_beat_the_dense_matmul() -> None:
-    """The weight-only kernels serve calls of up to 4 rows beside AMX, 8 beside prepacked bf16 without AMX, 2
-    beside float16 weights with AVX2 alone and 16 with AVX-512 (measured crossovers but the last, an estimate:
-    ``config.QUANTIZED_MAX_ROWS_*``)."""
+    """The weight-only kernels serve calls of up to 8 rows beside prepacked bf16 (AMX or not), 2 beside float16
+    weights with AVX2 alone and 16 with AVX-512 (measured crossovers: ``config.QUANTIZED_MAX_ROWS_*``)."""
     config = EngineConfig(quantization="int4")
-    assert plan_compute(config, CPU, BF16, None, True, frozenset({"amx_bf16"})).quantized_max_rows == 4
+    assert plan_compute(config, CPU, BF16, None, True, frozenset({"amx_bf16"})).quantized_max_rows == 8
     assert plan_compute(config, CPU, BF16, None, True, frozenset({"avx512_bf16"})).quantized_max_rows == 8
     assert plan_compute(config, CPU, F32, None, True, AVX2 | {"amx_bf16"}).quantized_max_rows == 2
     assert plan_compute(config, CPU, F32, None, True, AVX512).quantized_max_rows == 16

@@ -32,15 +32,16 @@ CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16"})
 MEASURED_BF16_CPU_FLAGS = frozenset({"avx512_bf16"})
 BF16_MIN_SPEEDUP = 1.5  # bf16 when a [32, 576] x [576, 1536] matmul (SmolLM2's shape) runs this much faster
-# Rows up to which the weight-only kernels beat the dense matmul, by the dense kernel (a decode step's matmuls,
-# weights streaming from memory, SmolLM2 shapes, 2 threads; docs/performance.md): AMX bf16 4 (Xeon 207, before
-# prepacking); prepacked bf16 on AVX512-BF16 8 (EPYC: int4 12.2 vs bf16 12.5 ms a step at 8 rows, 20.3 vs 15.4 at
-# 12); plain float32 32 (EPYC: int4 46 vs float32 78 ms at 32 rows; float32 dense only pays from prefill sizes).
-QUANTIZED_MAX_ROWS_AMX, QUANTIZED_MAX_ROWS_BF16, QUANTIZED_MAX_ROWS_FLOAT32 = 4, 8, 32
+# Rows up to which the weight-only kernels beat the dense matmul, by the dense kernel (a decode step's 120
+# projections, weights streaming from memory, SmolLM2 shapes, 2 threads; benchmarks/projection_rows.py,
+# docs/performance.md): prepacked bf16 8, on AMX (Xeon model 167: int4 11.1 against 11.8 ms at 8 rows, 15.9 against
+# 11.8 at 10) and on AVX512-BF16 (EPYC: 12.2 vs 12.5 at 8, 20.3 vs 15.4 at 12); plain float32 32 (EPYC: int4 46 vs
+# float32 78 ms at 32 rows; float32 dense only pays from prefill sizes).
+QUANTIZED_MAX_ROWS_BF16, QUANTIZED_MAX_ROWS_FLOAT32 = 8, 32
 # Beside float16 weights (fbgemm; float32 activations), which float32 layers keep under quantisation on x86: with
 # AVX2 alone the int4 kernel beats them at 1-2 rows (a step's projections 11.5 against 13.6 ms at one row, 12.8
-# against 14.2 at two) and loses from 4 (17.8 against 16.1), so 2; with AVX-512, where the kernel ran ~3x faster,
-# 16 is an estimate from the EPYC's int4 timings and AVX2's float16/float32 ratio, not measured.
+# against 14.2 at two) and loses from 4 (17.8 against 16.1), so 2; with AVX-512 it wins through 20 rows and ties
+# at 24 (Xeon model 167: 22.2 against 26.3 ms at 16, 32.3 against 32.0 at 24), so 16.
 QUANTIZED_MAX_ROWS_HALF_AVX2, QUANTIZED_MAX_ROWS_HALF_AVX512 = 2, 16
 # The flags torch's AVX-512 kernels need (ATen's CPU capability "AVX512"); without them its int4 kernel is the
 # AVX2 one, several times slower.
@@ -165,7 +166,7 @@ class ComputePlan:
     dtype: torch.dtype  # activations, dense weights and the KV cache
     quantization: str | None  # "int8"/"int4": weight-only kernels for calls of a few rows (``linear.py``)
     own_decoder: bool  # the engine's fused decoder (``decoder.py``); False: transformers' own forward
-    quantized_max_rows: int = QUANTIZED_MAX_ROWS_AMX  # calls of up to this many rows take the weight-only kernels
+    quantized_max_rows: int = QUANTIZED_MAX_ROWS_BF16  # calls of up to this many rows take the weight-only kernels
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str], half: bool) ->
         if not half:
             return QUANTIZED_MAX_ROWS_FLOAT32
         return QUANTIZED_MAX_ROWS_HALF_AVX512 if flags >= AVX512_CPU_FLAGS else QUANTIZED_MAX_ROWS_HALF_AVX2
-    return QUANTIZED_MAX_ROWS_AMX if FAST_BF16_CPU_FLAGS & flags else QUANTIZED_MAX_ROWS_BF16
+    return QUANTIZED_MAX_ROWS_BF16
 
 
 def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype, unsupported: str | None,

@@ -1,0 +1,86 @@
+"""Projection cost by row count: where the weight-only kernels stop beating the dense matmul on this CPU.
+
+    .venv/bin/python benchmarks/projection_rows.py [--rows 1,2,4,8,12,16,32] [--threads 2] [--passes 20]
+
+A decode step calls each of SmolLM2's 30 layers' four projections (qkv 960x576, o 576x576, gate_up 3072x576,
+down 576x1536) once, with as many rows as running requests, and the weights stream from memory ("cold"). This
+times one such pass over 30 layers' worth of random weights per layout, the layouts alternating pass by pass
+(median ms per pass), with ``PackedLinear``: exactly the calls the engine makes. Layouts:
+- ``bf16``: prepacked dense bf16 (oneDNN; AMX where the CPU has it); ``bf16+int4``: the int4 kernel, bf16 rows;
+- ``fp32``: dense float32; ``fp16``: float16 weights in fbgemm's layout, float32 rows (what a float32 layer keeps
+  under quantisation); ``fp32+int4``: the int4 kernel fed float32 rows cast to bf16 and back.
+``config.quantized_max_rows`` holds the crossing points; each line names the CPU and its flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.machine import read_cpu_info  # noqa: E402
+from worker.engine.linear import PackedLinear, half_packs  # noqa: E402
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2's qkv, o, gate_up, down [N, K]
+LAYERS = 30
+# name: (compute dtype, quantization); the quantised layouts take the kernel at every row count
+LAYOUTS = {
+    "bf16": (torch.bfloat16, None),
+    "bf16+int4": (torch.bfloat16, "int4"),
+    "fp32": (torch.float32, None),
+    "fp16": (torch.float32, "fp16"),
+    "fp32+int4": (torch.float32, "int4"),
+}
+
+
+def build(dtype: torch.dtype, quantization: str | None, max_rows: int) -> list[PackedLinear]:
+    """30 layers' projections in one layout (random weights, on a 4-bit grid where quantised)."""
+    generator = torch.Generator().manual_seed(0)
+    return [PackedLinear(torch.randn(n, k, generator=generator) * 0.02, None, dtype, quantization, max_rows)
+            for _ in range(LAYERS) for n, k in SHAPES]
+
+
+def one_pass(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for layer in layers:
+        layer(inputs[layer.in_features])
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,12,16,32")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--passes", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    names = [n for n in args.layouts.split(",") if n != "fp16" or half_packs(torch.device("cpu"))]
+    stacks = {n: build(*LAYOUTS[n], max_rows=1 << 30) for n in names}  # kernels for every row count
+    cpu = read_cpu_info().describe()
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {dtype: {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
+                  for dtype in (torch.bfloat16, torch.float32)}
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for index in range(args.passes + 1):
+            for name in names:
+                elapsed = one_pass(stacks[name], inputs[LAYOUTS[name][0]])
+                if index:  # the first pass warms the kernels up
+                    times[name].append(elapsed)
+        print(json.dumps({"rows": rows, **{n: round(statistics.median(t) * 1e3, 2) for n, t in times.items()},
+                          "unit": "ms per 120 projections", "threads": args.threads,
+                          "load": round(os.getloadavg()[0], 1), "cpu": cpu}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
