@@ -1,6 +1,7 @@
 """Projection cost by row count: where the weight-only kernels stop beating the dense matmul on this CPU.
 
     .venv/bin/python benchmarks/projection_rows.py [--rows 1,2,4,8,12,16,32] [--threads 2] [--passes 20]
+        [--layouts bf16,bf16+int4,fp32,fp16,fp32+int4]
 
 A decode step calls each of SmolLM2's 30 layers' four projections (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536) once, with as many rows as running requests, and the weights stream from memory ("cold"). This
@@ -31,7 +32,6 @@ from benchmarks.machine import read_cpu_info  # noqa: E402
 from worker.engine.linear import PackedLinear, half_packs  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2's qkv, o, gate_up, down [N, K]
-LAYERS = 30
 # name: (compute dtype, quantization); the quantised layouts take the kernel at every row count
 LAYOUTS = {
     "bf16": (torch.bfloat16, None),
@@ -42,11 +42,12 @@ LAYOUTS = {
 }
 
 
-def build(dtype: torch.dtype, quantization: str | None, max_rows: int) -> list[PackedLinear]:
-    """30 layers' projections in one layout (random weights, on a 4-bit grid where quantised)."""
+def build(dtype: torch.dtype, quantization: str | None, layers: int) -> list[PackedLinear]:
+    """``layers`` layers' projections in one layout (random weights); quantised layouts take their kernel at every
+    row count."""
     generator = torch.Generator().manual_seed(0)
-    return [PackedLinear(torch.randn(n, k, generator=generator) * 0.02, None, dtype, quantization, max_rows)
-            for _ in range(LAYERS) for n, k in SHAPES]
+    return [PackedLinear(torch.randn(n, k, generator=generator) * 0.02, None, dtype, quantization, max_rows=1 << 30)
+            for _ in range(layers) for n, k in SHAPES]
 
 
 def one_pass(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> float:
@@ -56,16 +57,17 @@ def one_pass(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> flo
     return time.perf_counter() - start
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,12,16,32")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--passes", type=int, default=20)
-    args = parser.parse_args()
+    parser.add_argument("--layers", type=int, default=30, help="SmolLM2 has 30")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = [n for n in args.layouts.split(",") if n != "fp16" or half_packs(torch.device("cpu"))]
-    stacks = {n: build(*LAYOUTS[n], max_rows=1 << 30) for n in names}  # kernels for every row count
+    stacks = {n: build(*LAYOUTS[n], args.layers) for n in names}
     cpu = read_cpu_info().describe()
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {dtype: {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
@@ -77,7 +79,7 @@ def main() -> int:
                 if index:  # the first pass warms the kernels up
                     times[name].append(elapsed)
         print(json.dumps({"rows": rows, **{n: round(statistics.median(t) * 1e3, 2) for n, t in times.items()},
-                          "unit": "ms per 120 projections", "threads": args.threads,
+                          "unit": f"ms per {len(SHAPES) * args.layers} projections", "threads": args.threads,
                           "load": round(os.getloadavg()[0], 1), "cpu": cpu}), flush=True)
     return 0
 
