@@ -169,8 +169,7 @@ def make_runners(args: argparse.Namespace, url: str | None
     # "engine" is what a worker serves unconfigured: dtype by the CPU, and quantization "auto" (the worker's default:
     # int4 on the shipped Q4_1 SmolLM2 on CPU, float32 or bf16 activations); the others pin one setting each.
     configs = {"engine": {"quantization": "auto"}, "engine_fp32": {"dtype": "float32"},
-               "engine_bf16": {"dtype": "bfloat16"},
-               "engine_compiled": {"quantization": "auto", "compile_lone_decode": True}}
+               "engine_bf16": {"dtype": "bfloat16"}}
     for system in args.systems:
         if system == "llama.cpp":
             assert url is not None
@@ -183,8 +182,7 @@ def make_runners(args: argparse.Namespace, url: str | None
             runners[system] = lambda reqs, engine=engine: run_engine(engine, reqs)
             dtypes[system] = str(engine.plan.dtype).removeprefix("torch.")
         else:
-            raise ValueError(f"--systems entries must be among {SYSTEMS + ('engine_bf16', 'engine_compiled')}, "
-                             f"got {system!r}")
+            raise ValueError(f"--systems entries must be among {SYSTEMS + ('engine_bf16',)}, got {system!r}")
     return runners, hf.config.vocab_size, dtypes
 
 
@@ -211,7 +209,6 @@ def run_rounds(runners: dict[str, Callable[[list[Req]], float]], vocab: int, rou
 LABELS = {"llama.cpp": "llama.cpp `llama-server` (Q4_1 GGUF, 32 slots)",
           "engine": "tokenspool engine (the worker's default: quantization auto)",
           "engine_fp32": "tokenspool engine, `--dtype float32`", "engine_bf16": "tokenspool engine, `--dtype bfloat16`",
-          "engine_compiled": "tokenspool engine, the default with `--compile-lone-decode`",
           "naive": "naive static batching (transformers `generate`, fp32)"}
 
 

@@ -37,7 +37,6 @@ SYSTEMS = {
     "bf16_int4": {"dtype": "bfloat16", "quantization": "int4"},  # the two activation dtypes, whatever the CPU
     "fp32_int4": {"dtype": "float32", "quantization": "int4"},
     "fp16": {"quantization": "fp16"},  # float16 weights (fbgemm), float32 activations: x86 CPUs without fast bf16
-    "compiled": {"quantization": "auto", "compile_lone_decode": True},  # the default, one-request steps compiled
     "decoder": {"quantization": "none"},  # the own decoder with the weights in the picked dtype, unquantised
 }
 

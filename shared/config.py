@@ -114,8 +114,6 @@ class Settings(BaseSettings):
     quantization: str | None = Field("auto", description="auto (int4 on CPU where the weights came from 4-bit GGUF "
                                      "blocks, unless --dtype float32) | none | int8 | int4 (weight-only kernels for "
                                      "small batches) | fp16 (float16 weights, float32 activations; x86 CPUs)")
-    compile_lone_decode: bool = Field(False, description="run a step of one request decoding one token as one "
-                                      "compiled graph (CPU, own decoder; ~15 s compile at start-up)")
     num_threads: int | None = Field(None, ge=1, description="torch threads; unset = the cores this process may use")
     worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
     drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")

@@ -90,9 +90,6 @@ class EngineConfig:
     ``"on"`` (CUDA with flex), ``"off"``, ``"padded"`` (the same static, padded buffers without the capture, on
     any device: the graph path's arithmetic, testable on CPU) or ``"auto"``: on with CUDA, the flex backend and
     the engine's own decoder, else off.
-    ``compile_lone_decode``: a step of one request decoding one token runs as one compiled graph (``lone_decode.py``:
-    CPU, the engine's own decoder and the sdpa backend; ignored elsewhere), compiled when the engine is built
-    (~15 s on 2 cores, a few from inductor's cache); its logits equal the eager step's.
     """
 
     model: str = "smollm2"
@@ -116,7 +113,6 @@ class EngineConfig:
     quantization: str | None = None
     attention_backend: str = "auto"
     cuda_graphs: str = "auto"
-    compile_lone_decode: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", "a model name or path", self.model)

@@ -16,9 +16,7 @@ identical to ``generate`` and stays the reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +27,6 @@ from worker.engine.attention import PagedContext, paged_attention
 from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, keeps_half, prepacks
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-# (layer, query [T, H, D], key [T, kvh, D], value [T, kvh, D], context, scale) -> [T, H, D]: stores the K/V, attends
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, Any, float], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -143,21 +139,15 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids``/``position_ids``: [T]; returns logits [len(logits_indices), V] in the compute dtype."""
-        return self.lm_head(self.final_hidden(input_ids, position_ids, ctx, logits_indices))  # [B, V]
-
-    def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: Any,
-                     logits_indices: torch.Tensor, attend: AttendFn = paged_attention) -> torch.Tensor:
-        """The final norm's output [len(logits_indices), hidden] (the LM head's input). ``attend`` stores a layer's
-        new K/V and attends (``paged_attention`` over ``ctx``, a ``PagedContext``; ``lone_decode`` passes its own
-        function and context)."""
         cos, sin = self.rope_tables(position_ids)
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, ctx, attend)
-        return rms_norm(hidden[logits_indices], self.final_norm, self.shape.rms_norm_eps)
+            hidden = self._layer(index, layer, hidden, cos, sin, ctx)
+        hidden = rms_norm(hidden[logits_indices], self.final_norm, self.shape.rms_norm_eps)
+        return self.lm_head(hidden)  # [B, V]
 
     def _layer(self, index: int, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               ctx: Any, attend: AttendFn) -> torch.Tensor:
+               ctx: PagedContext) -> torch.Tensor:
         """One block; ``hidden``: [T, hidden] -> [T, hidden]."""
         shape, num_tokens = self.shape, hidden.shape[0]
         num_qk_heads = shape.num_heads + shape.num_kv_heads
@@ -165,7 +155,7 @@ class Decoder(nn.Module):
         qk = qkv[:, :num_qk_heads * shape.head_dim].view(num_tokens, num_qk_heads, shape.head_dim)
         qk = qk * cos + qk.roll(shape.head_dim // 2, dims=-1) * sin  # RoPE on q and k at once
         value = qkv[:, num_qk_heads * shape.head_dim:].view(num_tokens, shape.num_kv_heads, shape.head_dim)
-        attn = attend(index, qk[:, :shape.num_heads], qk[:, shape.num_heads:], value, ctx, layer.scale)
+        attn = paged_attention(index, qk[:, :shape.num_heads], qk[:, shape.num_heads:], value, ctx, layer.scale)
         hidden = hidden + layer.o(attn.view(num_tokens, -1), cast_back=False)  # promotes a kernel's bf16
         gate_up = layer.gate_up(rms_norm(hidden, layer.post_attention_norm, shape.rms_norm_eps))  # [T, 2 I]
         gate, up = gate_up.split(shape.intermediate_size, dim=-1)

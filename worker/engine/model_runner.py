@@ -48,7 +48,6 @@ from worker.engine.flex_attention import (
 from worker.engine.host_memory import keep_freed_memory_for_reuse
 from worker.engine.kv_cache import KVCache, prepare_slot_mapping
 from worker.engine.linear import lies_on_int4_grid
-from worker.engine.lone_decode import LoneDecode, is_lone_decode
 from worker.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -111,19 +110,15 @@ class ModelRunner:
         self.flex: FlexStep | None = None  # the flex backend's kernel, with no calls: each step adds its own
         if self.attention_backend == "flex":
             self.flex = FlexStep((), make_flex_fn(compile_kernel=True), kernel_options(device, self.plan.block_size))
-        self.lone_decode: LoneDecode | None = None
-        if config.compile_lone_decode and self.decoder is not None and device.type == "cpu" and self.flex is None:
-            self.lone_decode = LoneDecode(self.decoder, self.kv_cache, self.plan.max_model_len)
-            self.lone_decode.warm_up()
         self.graphs: DecodeGraphs | None = None
         if self.flex is not None and self.cuda_graphs != "off":
             self.graphs = DecodeGraphs(self.forward, self.kv_cache, self.flex.attend, self.flex.options,
                                        config.max_num_seqs, capture=self.cuda_graphs == "on", device=device)
         log.info("model loaded: folder=%s device=%s dtype=%s quantization=%s forward=%s attention=%s "
-                 "cuda_graphs=%s compiled_lone_decode=%s kv_blocks=%d block_size=%d max_model_len=%d", folder, device,
-                 dtype, self.compute.quantization, "decoder" if self.compute.own_decoder else "transformers",
-                 self.attention_backend, self.cuda_graphs, self.lone_decode is not None, self.plan.num_kv_blocks,
-                 self.plan.block_size, self.plan.max_model_len)
+                 "cuda_graphs=%s kv_blocks=%d block_size=%d max_model_len=%d", folder, device, dtype,
+                 self.compute.quantization, "decoder" if self.compute.own_decoder else "transformers",
+                 self.attention_backend, self.cuda_graphs, self.plan.num_kv_blocks, self.plan.block_size,
+                 self.plan.max_model_len)
 
     @property
     def device(self) -> torch.device:
@@ -135,8 +130,6 @@ class ModelRunner:
         self.kv_cache.copy_blocks(output.block_copies)  # copy-on-write, before this step writes into the copies
         if self.graphs is not None and self.graphs.can_run(output.chunks):
             return self.graphs.run(output.chunks).float()  # [num_sampled, V]
-        if self.lone_decode is not None and is_lone_decode(output.chunks):
-            return self.lone_decode.run(output.chunks[0]).float()  # [1, V]
         input_ids, position_ids, metadata, logits_indices = self.prepare_inputs(output.chunks)
         context = PagedContext(self.kv_cache, metadata)
         return self.forward(input_ids[0], position_ids[0], context, logits_indices).float()  # [num_sampled, V]
