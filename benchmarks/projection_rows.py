@@ -32,7 +32,7 @@ from benchmarks.machine import read_cpu_info  # noqa: E402
 from worker.engine.linear import PackedLinear, half_packs  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2's qkv, o, gate_up, down [N, K]
-# name: (compute dtype, quantization); the quantised layouts take the kernel at every row count
+# name: (compute dtype, quantization)
 LAYOUTS = {
     "bf16": (torch.bfloat16, None),
     "bf16+int4": (torch.bfloat16, "int4"),
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     stacks = {n: build(*LAYOUTS[n], args.layers) for n in names}
     cpu = read_cpu_info().describe()
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {dtype: {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
+        inputs = {dtype: {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
                   for dtype in (torch.bfloat16, torch.float32)}
         times: dict[str, list[float]] = {n: [] for n in names}
         for index in range(args.passes + 1):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,17 +38,6 @@ SYSTEMS = {
     "fp16": {"quantization": "fp16"},  # float16 weights (fbgemm), float32 activations: x86 CPUs without fast bf16
     "decoder": {"quantization": "none"},  # the own decoder with the weights in the picked dtype, unquantised
 }
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def one_stream(engine, sampling_params) -> float:
@@ -104,11 +92,13 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, str(args.checkout.resolve()))
     sys.path.insert(1, str(HERE))
-    from offline_throughput import make_workload  # noqa: E402  # after the path is set
+    from machine import read_cpu_info  # noqa: E402  # after the path is set
+    from offline_throughput import make_workload  # noqa: E402
 
     from worker.engine import Engine, EngineConfig, SamplingParams
     from worker.models import resolve_model
 
+    cpu = read_cpu_info().describe()  # model name and the flags that pick the kernels
     path = str(resolve_model("smollm2"))
     reqs = make_workload("mixed", 49152)[:32]
     engines = {name: Engine(EngineConfig(model=path, num_threads=args.threads, max_num_seqs=32, num_kv_blocks=1100,
@@ -127,7 +117,7 @@ def main() -> int:
                                   "quantization": compute and compute.quantization,
                                   "forward": compute and ("decoder" if compute.own_decoder else "transformers"),
                                   "load": round(os.getloadavg()[0], 1), "threads": args.threads,
-                                  "cpu": cpu_name()}), flush=True)
+                                  "cpu": cpu}), flush=True)
         return 0
     results: dict[str, dict[str, list[float]]] = {n: {"one": [], "many": []} for n in engines}
     for round_index in range(args.rounds):
@@ -138,7 +128,7 @@ def main() -> int:
             results[name]["many"].append(many)
             print(json.dumps({"system": args.label + name, "round": round_index, "one_stream_tok_s": round(one, 1),
                               "streams_32_tok_s": round(many, 1), "load": round(os.getloadavg()[0], 1),
-                              "checkout": str(args.checkout), "threads": args.threads, "cpu": cpu_name()}),
+                              "checkout": str(args.checkout), "threads": args.threads, "cpu": cpu}),
                   flush=True)
     return 0
 
