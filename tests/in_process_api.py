@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import openai
 import uvicorn
 
 from api.app import create_app
@@ -23,12 +24,24 @@ class ApiServer:
     base_url: str
     server: uvicorn.Server
     thread: threading.Thread
+    openai_clients: list[openai.OpenAI] = field(default_factory=list)
 
     def client(self, api_key: str | None = None, **kwargs: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=30, **kwargs)
 
+    def openai_client(self, api_key: str = "unused", **kwargs: Any) -> openai.OpenAI:
+        """The official client on this API (no retries unless asked), closed by ``stop``: a client left to the
+        garbage collector can drop its pooled socket first, and that ResourceWarning fails whichever test is
+        running then."""
+        options: dict[str, Any] = {"max_retries": 0, "timeout": 30} | kwargs
+        client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, **options)
+        self.openai_clients.append(client)
+        return client
+
     def stop(self) -> None:
+        for client in self.openai_clients:
+            client.close()
         self.server.should_exit = True
         self.thread.join(15)
 

@@ -27,7 +27,7 @@ def test_api_keys_are_required_when_configured(keyed_api: ApiServer) -> None:
         assert response.headers["WWW-Authenticate"] == "Bearer"
         assert response.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{keyed_api.base_url}/v1", api_key="wrong", max_retries=0).models.list()
+        keyed_api.openai_client("wrong").models.list()
     # Health endpoints stay open for orchestrators.
     assert httpx.get(f"{keyed_api.base_url}/healthz").status_code == 200
 
@@ -78,7 +78,7 @@ def test_full_queue_is_429_with_retry_after(start_api: Callable[..., ApiServer])
             assert int(response.headers["Retry-After"]) >= 1
             assert response.json()["error"]["code"] == "queue_full"
     with pytest.raises(openai.RateLimitError):
-        openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="x", max_retries=0).completions.create(
+        api.openai_client("x").completions.create(
             model=MODEL, prompt="d")
 
 

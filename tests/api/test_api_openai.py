@@ -13,7 +13,7 @@ from tests.worker.scripted_engine import MODEL, InProcessWorker, expected_text
 
 
 def _client(api: ApiServer, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{api.base_url}/v1", api_key=key, max_retries=0, timeout=30)
+    return api.openai_client(key)
 
 
 def test_completion(api: ApiServer, worker: InProcessWorker) -> None:

@@ -19,7 +19,7 @@ def test_health_answers_like_vllm(api: ApiServer) -> None:
 
 
 def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_404(api: ApiServer, worker: InProcessWorker) -> None:
-    client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused")
+    client = api.openai_client(max_retries=openai.DEFAULT_MAX_RETRIES, timeout=openai.DEFAULT_TIMEOUT)
     model = client.models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model"
     with pytest.raises(openai.NotFoundError) as caught:
@@ -59,7 +59,7 @@ def test_text_modality_alone_is_accepted(api: ApiServer, worker: InProcessWorker
 def test_a_list_of_prompts_is_one_job_each_answered_together(api: ApiServer, worker: InProcessWorker) -> None:
     """LangChain's ``OpenAI.batch`` and LiteLLM's ``text_completion(prompt=[...])`` send several prompts: choice
     ``i * n + c`` is choice ``c`` of prompt ``i``, usage is summed, and each prompt ran as its own job."""
-    client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused")
+    client = api.openai_client(max_retries=openai.DEFAULT_MAX_RETRIES, timeout=openai.DEFAULT_TIMEOUT)
     prompts = ["hello world", "the quick fox", "brown"]
     completion = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, n=2)
     assert [c.index for c in completion.choices] == list(range(6))

@@ -20,7 +20,7 @@ COMPLETION = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 5}
 
 
 def _client(api: ApiServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+    return api.openai_client()
 
 
 def _check_running_usage(chunks: list[dict[str, Any]], n: int, max_tokens: int) -> None:

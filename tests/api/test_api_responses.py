@@ -12,7 +12,7 @@ from tests.worker.scripted_engine import MODEL, InProcessWorker, expected_text
 
 
 def _client(api: ApiServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="unused", max_retries=0)
+    return api.openai_client(timeout=openai.DEFAULT_TIMEOUT)
 
 
 def test_text_in_text_out(api: ApiServer, worker: InProcessWorker) -> None:

@@ -113,7 +113,7 @@ def test_every_event_arrives_signed_after_failed_attempts(start_api: Callable[..
     start_worker()
     job_id = http.post("/v1/jobs", json={"prompt": "the fox", "max_tokens": 3,
                                          "webhook_url": receiver.url("/job-callback")}).json()["id"]
-    client = openai.OpenAI(base_url=f"{api.base_url}/v1", api_key="x", max_retries=0)
+    client = api.openai_client("x", timeout=openai.DEFAULT_TIMEOUT)
     line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
             "body": {"model": MODEL, "prompt": "hello", "max_tokens": 2}}
     file_id = client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch").id

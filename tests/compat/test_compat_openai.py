@@ -4,6 +4,7 @@ the content matters and on a tiny random-weight model (fast) for the protocol's 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import jsonschema
 import openai
@@ -30,13 +31,15 @@ ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tools.
 
 
 @pytest.fixture(scope="session")
-def client(service: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=service.base_url, api_key="unused", max_retries=0, timeout=120)
+def client(service: Service) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=service.base_url, api_key="unused", max_retries=0, timeout=120) as opened:
+        yield opened
 
 
 @pytest.fixture(scope="session")
-def tiny_client(tiny_service: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tiny_service.base_url, api_key="unused", max_retries=0, timeout=120)
+def tiny_client(tiny_service: Service) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=tiny_service.base_url, api_key="unused", max_retries=0, timeout=120) as opened:
+        yield opened
 
 
 def test_json_schema_strict_output_validates(client: openai.OpenAI, service: Service) -> None:

@@ -245,14 +245,16 @@ def test_sse_stream_delivers_the_same_text_and_resumes(stack: Stack, greedy: dic
 def test_openai_client_completion_matches_greedy(stack: Stack, greedy: dict[str, Reference]) -> None:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=JOB_TIMEOUT_S, max_retries=0)
-    prompt = PROMPTS[1]
-    completion = client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-    assert completion.choices[0].text == greedy[prompt].text
-    assert completion.usage is not None and completion.usage.completion_tokens == greedy[prompt].completion_tokens
-    stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True)
-    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == greedy[prompt].text
+    with OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=JOB_TIMEOUT_S, max_retries=0) as client:
+        prompt = PROMPTS[1]
+        completion = client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS,
+                                               temperature=0)
+        assert completion.choices[0].text == greedy[prompt].text
+        assert completion.usage is not None
+        assert completion.usage.completion_tokens == greedy[prompt].completion_tokens
+        stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == greedy[prompt].text
 
 
 async def test_async_openai_client_streamed_and_not_matches_greedy(stack: Stack,
