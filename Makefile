@@ -2,8 +2,8 @@
 # Both install into $(VENV) first, which takes seconds when nothing changed.
 #
 #   make setup   create $(VENV) (Python >= 3.11), install tokenspool[dev] and examples/node's packages, prepare
-#                the default model, and (as root on Debian/Ubuntu) the headless browser the console's tests drive:
-#                chromium, chromium-driver
+#                the default model, build the CPU decode-attention kernel (g++ and ninja; ~15 s once), and (as
+#                root on Debian/Ubuntu) the headless browser the console's tests drive: chromium, chromium-driver
 #   make up      start Redis (embedded), the API and the workers:  make up ARGS="--workers 2 --port 9000"
 #   make test    ruff, then the whole test suite:                  make test PYTEST_ARGS="-x tests/test_cli.py"
 #   make lint    ruff and mypy
@@ -109,6 +109,7 @@ install-browser:
 
 setup: install node-example install-browser
 	@folder="$$("$(BIN)/tokenspool" models prepare "$(MODEL)")"; echo "model $(MODEL): $$folder"
+	@"$(BIN)/python" -c "from worker.engine.decode_kernel import main; raise SystemExit(main())"
 
 # `tokenspool up` prepares (converts once) the model itself, so `up` needs only the install.
 up: install

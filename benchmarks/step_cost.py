@@ -37,6 +37,7 @@ SYSTEMS = {
     "fp32_int4": {"dtype": "float32", "quantization": "int4"},
     "fp16": {"quantization": "fp16"},  # float16 weights (fbgemm), float32 activations: x86 CPUs without fast bf16
     "decoder": {"quantization": "none"},  # the own decoder with the weights in the picked dtype, unquantised
+    "sdpa": {"quantization": "auto", "attention_backend": "sdpa"},  # the default, decode K/V gathered for SDPA
 }
 
 

@@ -21,6 +21,7 @@ from worker.engine.decode_attention import (
     prepare_decode_batch,
     split_by_length,
 )
+from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.kv_cache import KVCache, prepare_slot_mapping
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
@@ -47,6 +48,12 @@ def test_groups_form_where_sharing_saves_enough() -> None:
     assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=4) == [([0, 2], 2), ([1, 4], 1), ([3], 0)]
     assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=8) == [([0, 2], 2), ([1, 3, 4], 0)]
     assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=9) == [([0, 1, 2, 3, 4], 0)]
+    # Read in place (the C++ operator) plain rows are one group even where padding would have split them.
+    assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=9, group_cost=0) != [([0, 1, 2, 3, 4], 0)]
+    assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=9, group_cost=0, in_place=True) == [
+        ([0, 1, 2, 3, 4], 0)]
+    assert plan_decode_groups(tables, lens, BLOCK, min_tokens_saved=8, in_place=True) == [([0, 2], 2),
+                                                                                          ([1, 3, 4], 0)]
 
 
 def test_rows_are_bucketed_where_padding_costs_more_than_a_group() -> None:
@@ -78,8 +85,12 @@ def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out[0, :, 0]
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("share_prefix", [True, False])
-def test_decode_matches_plain_attention_over_a_shared_prefix(share_prefix: bool) -> None:
+def test_decode_matches_plain_attention_over_a_shared_prefix(share_prefix: bool, in_place: bool) -> None:
+    """``in_place``: plain queries through the C++ operator (``decode_kernel.py``), beside a cascade group."""
+    if in_place:
+        assert load_decode_kernel() is None
     torch.manual_seed(0)
     shape = ModelShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, vocab_size=10, max_position_embeddings=64)
     plan = EnginePlan(device=CPU, dtype=torch.float32, block_size=BLOCK, num_kv_blocks=16, max_model_len=64)
@@ -96,8 +107,12 @@ def test_decode_matches_plain_attention_over_a_shared_prefix(share_prefix: bool)
         values.append(torch.cat([prefix_v[:start], own_v]))
     query = torch.randn(5, HEADS, DIM)  # token 0 is a prefill token of no concern here
     batch = prepare_decode_batch([1, 2, 3, 4], tables, lens, BLOCK, CPU, share_prefix=share_prefix,
-                                 min_tokens_saved=1)
+                                 min_tokens_saved=1, in_place=in_place)
     assert [g.shared_block_ids is not None for g in batch.groups] == ([True, False] if share_prefix else [False])
+    plain = batch.groups[-1]
+    assert (plain.context_lens is not None) == in_place
+    if in_place:  # the operator reads the blocks: no mask, no views, one group whatever the lengths
+        assert plain.key_mask is None and plain.lone_kv is None
     out = torch.zeros_like(query)
     attend_decode(0, query, batch, cache, DIM ** -0.5, out)
     expected = torch.stack([reference_decode(query[i + 1], keys[i], values[i]) for i in range(4)])

@@ -110,17 +110,22 @@ def test_engine_on_compiled_flex_matches_generate(tiny_llama: Path) -> None:
 def test_flex_on_a_cpu_needs_blocks_of_a_multiple_of_16() -> None:
     """8-token blocks made the compiled CPU kernel attend wrongly on an AVX2 CPU (config.pick_attention_backend)."""
     with pytest.raises(ValueError, match="block_size must be a multiple of 16"):
-        pick_attention_backend(EngineConfig(attention_backend="flex", block_size=8), CPU)
-    assert pick_attention_backend(EngineConfig(attention_backend="flex", block_size=8), torch.device("cuda")) == "flex"
-    assert pick_attention_backend(EngineConfig(attention_backend="flex", block_size=32), CPU) == "flex"
-    assert pick_attention_backend(EngineConfig(block_size=8), CPU) == "sdpa"
+        pick_attention_backend(EngineConfig(attention_backend="flex", block_size=8), CPU, own_decoder=True)
+    cuda = torch.device("cuda")
+    assert pick_attention_backend(EngineConfig(attention_backend="flex", block_size=8), cuda, True) == "flex"
+    assert pick_attention_backend(EngineConfig(attention_backend="flex", block_size=32), CPU, True) == "flex"
+    assert pick_attention_backend(EngineConfig(block_size=8), CPU, own_decoder=True) == "kernel"
 
 
 def test_auto_picks_flex_only_on_cuda() -> None:
-
-    auto = EngineConfig()
-    assert pick_attention_backend(auto, CPU) == "sdpa" and pick_attention_backend(auto, torch.device("cuda")) == "flex"
-    assert pick_attention_backend(EngineConfig(attention_backend="flex"), CPU) == "flex"
+    """On a CPU ``auto`` is the C++ decode kernel for the own decoder, SDPA for transformers' exact forward."""
+    auto, cuda = EngineConfig(), torch.device("cuda")
+    assert pick_attention_backend(auto, cuda, True) == "flex" and pick_attention_backend(auto, cuda, False) == "flex"
+    assert pick_attention_backend(auto, CPU, own_decoder=True) == "kernel"
+    assert pick_attention_backend(auto, CPU, own_decoder=False) == "sdpa"
+    assert pick_attention_backend(EngineConfig(attention_backend="flex"), CPU, True) == "flex"
+    with pytest.raises(ValueError, match="'kernel' only on a CPU"):
+        pick_attention_backend(EngineConfig(attention_backend="kernel"), cuda, True)
     assert pick_cuda_graphs(auto, torch.device("cuda"), "flex", own_decoder=True) == "on"
     assert pick_cuda_graphs(auto, torch.device("cuda"), "flex", own_decoder=False) == "off"
     assert pick_cuda_graphs(auto, CPU, "flex", own_decoder=True) == "off"
@@ -128,5 +133,6 @@ def test_auto_picks_flex_only_on_cuda() -> None:
         pick_cuda_graphs(EngineConfig(cuda_graphs="on"), CPU, "flex", own_decoder=True)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="paged")
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        EngineConfig(attention_backend="sdpa", cuda_graphs="padded")
+    for backend in ("sdpa", "kernel"):
+        with pytest.raises(ValueError, match="cuda_graphs"):
+            EngineConfig(attention_backend=backend, cuda_graphs="padded")

@@ -22,7 +22,7 @@ CUDA_FREE_FRACTION = 0.9  # of the memory still free after the weights are loade
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 QUANTIZATIONS = (None, "none", "auto", "int8", "int4", "fp16")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+ATTENTION_BACKENDS = ("auto", "sdpa", "kernel", "flex")
 FLEX_CPU_BLOCK_MULTIPLE = 16  # KV block sizes inductor's CPU flex kernel got right everywhere it was tried
 CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
@@ -83,9 +83,12 @@ class EngineConfig:
     target's tokenizer); each decoding request proposes up to ``num_speculative_tokens`` tokens per step, but only
     while at most ``speculative_max_batch`` requests run (above that verification costs more than it saves; see
     docs/performance.md). ``ngram_min``/``ngram_max``: the suffix lengths prompt lookup tries, longest first.
-    ``attention_backend``: ``"sdpa"`` (gathered K/V, SDPA and cascade groups: ``decode_attention.py``), ``"flex"``
-    (FlexAttention reading the blocks in place, compiled: ``flex_attention.py``) or ``"auto"``: flex on CUDA,
-    sdpa elsewhere (on CPU flex compiles each new shape for ~10 s and the gathered path is tuned for it).
+    ``attention_backend``: ``"sdpa"`` (gathered K/V, SDPA and cascade groups: ``decode_attention.py``),
+    ``"kernel"`` (the same, but plain decode queries through the C++ operator that reads the blocks in place:
+    ``decode_kernel.py``; CPU only), ``"flex"`` (FlexAttention reading the blocks in place, compiled:
+    ``flex_attention.py``) or ``"auto"``: flex on CUDA; on a CPU the kernel for the engine's own decoder (sdpa
+    where it cannot be built, and for transformers' exact float32 forward, whose attention stays SDPA's), sdpa
+    otherwise (on CPU flex compiles each new shape for ~10 s).
     ``cuda_graphs``: decode-only steps replayed from a CUDA graph per batch-size bucket (``cuda_graphs.py``):
     ``"on"`` (CUDA with flex), ``"off"``, ``"padded"`` (the same static, padded buffers without the capture, on
     any device: the graph path's arithmetic, testable on CPU) or ``"auto"``: on with CUDA, the flex backend and
@@ -140,12 +143,13 @@ class EngineConfig:
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", "None or >= 1", self.num_threads)
         _check(self.quantization in QUANTIZATIONS, "quantization", "None, 'none', 'auto', 'int8', 'int4' or 'fp16'",
                self.quantization)
-        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", "'auto', 'sdpa' or 'flex'",
-               self.attention_backend)
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+               "'auto', 'sdpa', 'kernel' or 'flex'", self.attention_backend)
         _check(self.cuda_graphs in CUDA_GRAPH_MODES, "cuda_graphs", "'auto', 'off', 'on' or 'padded'",
                self.cuda_graphs)
-        _check(self.cuda_graphs not in ("on", "padded") or self.attention_backend != "sdpa", "cuda_graphs",
-               "'auto' or 'off' with attention_backend 'sdpa' (graphs need flex's static shapes)", self.cuda_graphs)
+        _check(self.cuda_graphs not in ("on", "padded") or self.attention_backend in ("auto", "flex"), "cuda_graphs",
+               "'auto' or 'off' unless attention_backend is 'flex' (graphs need flex's static shapes)",
+               self.cuda_graphs)
 
 
 @dataclass(frozen=True)
@@ -188,15 +192,17 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def pick_attention_backend(config: EngineConfig, device: torch.device) -> str:
-    """``"flex"`` or ``"sdpa"``: the configured one; ``"auto"`` is flex on CUDA, sdpa elsewhere.
+def pick_attention_backend(config: EngineConfig, device: torch.device, own_decoder: bool) -> str:
+    """``"flex"``, ``"kernel"`` or ``"sdpa"``: the configured one; ``"auto"`` is flex on CUDA, the kernel for the
+    own decoder on a CPU, else sdpa. (Whether the kernel can be built is the model runner's to find out.)
 
     Flex on a CPU needs KV blocks of a multiple of ``FLEX_CPU_BLOCK_MULTIPLE`` tokens: with 8-token blocks
     inductor's CPU flex kernel (torch 2.13) attended wrongly on an AVX2 EPYC (greedy tokens off from the second
     step), while 16 and 32 matched the gathered path and 8 had matched on AVX-512 CPUs."""
     backend = config.attention_backend
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" else "kernel" if own_decoder else "sdpa"
+    _check(backend != "kernel" or device.type == "cpu", "attention_backend", "'kernel' only on a CPU", backend)
     _check(backend != "flex" or device.type != "cpu" or config.block_size % FLEX_CPU_BLOCK_MULTIPLE == 0,
            "block_size", f"a multiple of {FLEX_CPU_BLOCK_MULTIPLE} for the flex attention backend on a CPU",
            config.block_size)

@@ -16,6 +16,10 @@ outweighs that (``split_by_length``).
 
 Cascade scores are explicit matmuls because one softmax must span both parts and SDPA does not return its
 log-sum-exp; the per-sequence part is short there, so the explicit version costs little.
+
+With the C++ operator (``decode_kernel.py``, the ``"kernel"`` backend) nothing is gathered for plain queries: they
+form one group whatever their lengths, attended in one call per layer that reads each sequence's blocks where
+they lie (``DecodeGroup.context_lens`` set). Cascade groups keep their gathered path.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ class DecodeGroup:
     token_idx: torch.Tensor  # [Bg] flat indices of the queries in the step's token sequence
     shared_block_ids: torch.Tensor | None  # [P] blocks every table in the group starts with; None: plain group
     block_tables: torch.Tensor  # [Bg, max_blocks - P] each sequence's own blocks, right-padded
-    key_mask: torch.Tensor  # [Bg, 1, 1, (max_blocks - P) * block_size] bool: true for real keys
+    # [Bg, 1, 1, (max_blocks - P) * block_size] bool: true for real keys; None for the kernel's group
+    key_mask: torch.Tensor | None
     # (start, end) when the queries are the step's tokens start..end-1 in order (a decode-only step of one group):
     # then they are read and written as slices, without a gather and a scatter per layer.
     token_range: tuple[int, int] | None = None
@@ -57,6 +62,8 @@ class DecodeGroup:
     num_keys: int | None = None
     block_range: tuple[int, int] | None = None
     lone_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [Bg] int64 keys of each sequence, set when the C++ operator reads the blocks in place (no mask, no gather)
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -111,12 +118,13 @@ def split_by_length(rows: Sequence[int], widths: Sequence[int], group_cost: int)
 
 
 def plan_decode_groups(tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int,
-                       min_tokens_saved: float, group_cost: int = GROUP_COST_TOKENS) -> list[tuple[list[int], int]]:
+                       min_tokens_saved: float, group_cost: int = GROUP_COST_TOKENS, in_place: bool = False
+                       ) -> list[tuple[list[int], int]]:
     """Partition decode rows into ``(rows, num_shared_blocks)``; plain groups (0 shared blocks) come last.
 
     Candidates are rows with the same first block; a candidate becomes a cascade group when sharing saves at
     least ``min_tokens_saved`` gathered tokens (``math.inf``: never), otherwise its rows are plain. Plain rows are
-    bucketed by length.
+    bucketed by length, or, read ``in_place`` by the kernel (no padding to save), one group.
     """
     by_first_block: dict[int, list[int]] = defaultdict(list)
     for row, table in enumerate(tables):
@@ -129,6 +137,8 @@ def plan_decode_groups(tables: Sequence[Sequence[int]], context_lens: Sequence[i
             groups.append((rows, shared))
         else:
             plain.extend(rows)
+    if in_place:
+        return groups + [(sorted(plain), 0)] if plain else groups
     widths = [len(t) * block_size for t in tables]
     groups += [(rows, 0) for rows in split_by_length(plain, widths, group_cost)]
     return groups
@@ -136,13 +146,19 @@ def plan_decode_groups(tables: Sequence[Sequence[int]], context_lens: Sequence[i
 
 def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int]], context_lens: Sequence[int],
                          block_size: int, device: torch.device, share_prefix: bool,
-                         min_tokens_saved: int = MIN_SHARED_TOKENS_SAVED, kv_cache: KVCache | None = None
-                         ) -> DecodeBatch:
+                         min_tokens_saved: int = MIN_SHARED_TOKENS_SAVED, kv_cache: KVCache | None = None,
+                         in_place: bool = False) -> DecodeBatch:
     """Index tensors for the decode queries; ``share_prefix`` enables cascade groups over common blocks. With the
-    ``kv_cache``, a lone sequence on consecutive blocks gets its K/V views of every layer built here, once."""
-    plan = plan_decode_groups(tables, context_lens, block_size, min_tokens_saved if share_prefix else math.inf)
+    ``kv_cache``, a lone sequence on consecutive blocks gets its K/V views of every layer built here, once.
+    ``in_place``: plain queries are one group for the C++ operator (``decode_kernel.py``)."""
+    plan = plan_decode_groups(tables, context_lens, block_size, min_tokens_saved if share_prefix else math.inf,
+                              in_place=in_place)
     groups = []
     for rows, num_shared in plan:
+        if in_place and not num_shared:
+            groups.append(_kernel_group([token_idx[r] for r in rows], [tables[r] for r in rows],
+                                        [context_lens[r] for r in rows], device))
+            continue
         own_tables = [tables[r][num_shared:] for r in rows]
         own_lens = torch.tensor([context_lens[r] - num_shared * block_size for r in rows], device=device)
         width = max(len(t) for t in own_tables) * block_size
@@ -168,6 +184,16 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
     return DecodeBatch(tuple(groups))
 
 
+def _kernel_group(idx: list[int], tables: list[Sequence[int]], context_lens: list[int],
+                  device: torch.device) -> DecodeGroup:
+    """Plain queries for the C++ operator: their whole block tables and key counts, nothing else."""
+    in_order = idx == list(range(idx[0], idx[0] + len(idx)))
+    return DecodeGroup(token_idx=torch.tensor(idx, dtype=torch.long, device=device),
+                       token_range=(idx[0], idx[0] + len(idx)) if in_order else None, shared_block_ids=None,
+                       block_tables=prepare_block_tables(tables, device), key_mask=None,
+                       context_lens=torch.tensor(context_lens, dtype=torch.long, device=device))
+
+
 def attend_decode(layer: int, query: torch.Tensor, batch: DecodeBatch, kv_cache: KVCache, scale: float,
                   out: torch.Tensor) -> None:
     """Write the decode queries' attention into ``out``. ``query`` and ``out``: [T, H, D], the whole step."""
@@ -186,6 +212,9 @@ def attend_group(layer: int, query: torch.Tensor, group: DecodeGroup, kv_cache: 
     # GQA without expanding K/V: the g query heads sharing a KV head act as that head's queries, grouped
     # consecutively as transformers' repeat_kv assumes.
     rows = query[group.token_idx] if group.token_range is None else query[group.token_range[0]:group.token_range[1]]
+    if group.context_lens is not None:  # [Bg, H, D], read where the blocks lie
+        return torch.ops.tokenspool.paged_decode_attention(rows, kv_cache.keys[layer], kv_cache.values[layer],
+                                                           group.block_tables, group.context_lens, scale)
     q = rows.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Bg, kvh, g, D]
     # A transposed view, not a copy: the fused CPU kernel reads strided K/V faster than a contiguous copy costs.
     if group.lone_kv is not None:
@@ -220,6 +249,7 @@ def _attend_cascade(layer: int, q: torch.Tensor, own_keys: torch.Tensor, own_val
     num_seqs, num_kv_heads, num_q_per_kv, head_dim = q.shape
     rows = num_seqs * num_q_per_kv
     own_scores = torch.matmul(q, own_keys.transpose(-1, -2)).mul_(scale)  # [Bg, kvh, g, S]
+    assert group.key_mask is not None
     own_scores.masked_fill_(~group.key_mask, float("-inf"))
     shared_keys, shared_values = kv_cache.gather(layer, group.shared_block_ids[None])  # [1, P, kvh, D]
     shared_keys = shared_keys[0].permute(1, 2, 0).to(q.dtype)  # [kvh, D, P]

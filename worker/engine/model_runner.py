@@ -37,6 +37,7 @@ from worker.engine.config import (
 )
 from worker.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, pick_bucket
 from worker.engine.decode_attention import prepare_decode_batch
+from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.decoder import Decoder, unsupported_reason
 from worker.engine.flex_attention import (
     FlexStep,
@@ -84,6 +85,20 @@ def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: 
     return decoder, decoder, compute
 
 
+def settle_kernel(config: EngineConfig, backend: str) -> str:
+    """``backend``, once the C++ decode kernel it may name is loaded (built the first time); a picked kernel that
+    cannot be built falls back to ``"sdpa"`` with a warning, an asked-for one is an error."""
+    if backend != "kernel":
+        return backend
+    problem = load_decode_kernel()
+    if problem is None:
+        return backend
+    if config.attention_backend == "kernel":
+        raise RuntimeError(f"attention_backend='kernel': the C++ decode kernel could not be built ({problem})")
+    log.warning("the C++ decode attention kernel could not be built (%s): decode attention gathers K/V", problem)
+    return "sdpa"
+
+
 def weights_on_int4_grid(model: torch.nn.Module) -> bool:
     """Whether the first layer's weights were de-quantised from 4-bit GGUF blocks (Llama family only)."""
     first = model.model.layers[0]  # type: ignore[union-attr, index]  # a Llama-family model (checked by caller)
@@ -103,7 +118,8 @@ class ModelRunner:
         self.model, self.decoder, self.compute = load_model(config, folder, device, dtype)
         self.shape = model_shape(self.model.config)
         self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
-        self.attention_backend = pick_attention_backend(config, device)
+        self.attention_backend = settle_kernel(config, pick_attention_backend(config, device,
+                                                                              self.compute.own_decoder))
         self.cuda_graphs = pick_cuda_graphs(config, device, self.attention_backend, self.compute.own_decoder)
         self.kv_cache = KVCache(self.shape, self.plan, scratch_block=self.cuda_graphs != "off")
         self.cascade_attention = config.cascade_attention
@@ -179,7 +195,8 @@ class ModelRunner:
             decode = None
             if single_idx:
                 decode = prepare_decode_batch(single_idx, single_tables, single_lens, block_size, device,
-                                              share_prefix=self.cascade_attention, kv_cache=self.kv_cache)
+                                              share_prefix=self.cascade_attention, kv_cache=self.kv_cache,
+                                              in_place=self.attention_backend == "kernel")
             metadata = AttentionMetadata(slot_mapping, decode, tuple(prefills))
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)

@@ -1,0 +1,123 @@
+"""The C++ decode-attention operator (``csrc/paged_decode.cpp``), built on this machine as the engine builds it:
+against float64 attention over the gathered keys, on scattered blocks, every head layout and dtype it serves, and
+in the engine against ``generate``; and the engine's fallback where it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.engine.helpers import mixed_workload
+from tests.engine.test_engine_parity import check_parity
+from worker.engine import EngineConfig
+from worker.engine.decode_kernel import kernel_name, load_decode_kernel
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    problem = load_decode_kernel()
+    assert problem is None, f"the kernel must build where the tests run (make setup builds it): {problem}"
+
+
+def scattered_case(seed: int, lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, ...]:
+    """A pool with random K/V everywhere (keys past a sequence's length are junk a wrong read would take in),
+    block tables of shuffled block ids right-padded with junk ids, and queries as a strided view (as the decoder
+    hands them over: a slice of the fused QKV output)."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    keys = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=generator).to(dtype)
+    values = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=generator).to(dtype)
+    ids = torch.randperm(num_blocks, generator=generator).tolist()
+    width = max(blocks_per_seq) + 1
+    tables = []
+    for count in blocks_per_seq:
+        tables.append(ids[:count] + [ids[-1]] * (width - count))  # padding: a real block, never to be read
+        ids = ids[count:]
+    fused = torch.randn(len(lens), heads + 2 * kv_heads, dim, generator=generator).to(dtype)
+    return fused[:, :heads], keys, values, torch.tensor(tables), torch.tensor(lens)
+
+
+def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+              lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of each query over its own first ``lens[b]`` keys, gathered. -> [B, H, D]."""
+    outs = []
+    for b in range(query.shape[0]):
+        k = keys[tables[b]].flatten(0, 1)[:lens[b]].double().transpose(0, 1)  # [kvh, S, D]
+        v = values[tables[b]].flatten(0, 1)[:lens[b]].double().transpose(0, 1)
+        q = query[b].double()[:, None]  # [H, 1, D]
+        outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40)])
+@pytest.mark.parametrize("lens", [[1], [37], [16, 1, 130, 47, 32, 9, 200, 3]])
+def test_operator_matches_float64_attention(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                                            lens: list[int]) -> None:
+    """One sequence (the per-head work split) and eight (per KV head), lengths on and off block boundaries; head
+    sizes 64 and 128 (unrolled) and 40 (the generic loop); GQA and plain multi-head."""
+    query, keys, values, tables, context = scattered_case(len(lens) * dim, lens, heads, kv_heads, dim, dtype)
+    scale = dim ** -0.5
+    out = torch.ops.tokenspool.paged_decode_attention(query, keys, values, tables, context, scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    expected = reference(query, keys, values, tables, context, scale)
+    # float32 accumulation either way; the output rounds to the dtype (bf16 keeps 8 bits of mantissa)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_operator_rejects_what_it_cannot_read() -> None:
+    query, keys, values, tables, context = scattered_case(0, [20], 4, 2, 8, torch.float32)
+    op = torch.ops.tokenspool.paged_decode_attention
+    with pytest.raises(RuntimeError, match="dtypes"):
+        op(query.bfloat16(), keys, values, tables, context, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(query, keys, values, tables.int(), context, 1.0)
+    with pytest.raises(RuntimeError, match="unit last stride"):
+        op(query.transpose(1, 2), keys.transpose(2, 3), values.transpose(2, 3), tables, context, 1.0)
+
+
+def test_engine_on_the_kernel_matches_generate(tiny_model: Path) -> None:
+    """float32 (so greedy tokens must equal transformers'): mixed lengths, chunked prefill, preemption, and a small
+    pool whose blocks scatter; every decode step goes through the operator."""
+    workload = mixed_workload(seed=4, num_requests=24, max_prompt=300, max_output=30, vocab=49152)
+    config = EngineConfig(dtype="float32", model=str(tiny_model), block_size=BLOCK, num_kv_blocks=40,
+                          max_num_seqs=8, max_num_batched_tokens=96, attention_backend="kernel")
+    check_parity(tiny_model, config, workload)
+
+
+def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> None:
+    """A build with no compiler (``CXX`` names none, in an empty extensions cache): ``auto`` keeps the gathered
+    path, an explicit ``kernel`` is an error."""
+    script = (
+        "from worker.engine.config import EngineConfig\n"
+        "from worker.engine.model_runner import settle_kernel\n"
+        "print(settle_kernel(EngineConfig(), 'kernel'))\n"
+        "try:\n"
+        "    settle_kernel(EngineConfig(attention_backend='kernel'), 'kernel')\n"
+        "except RuntimeError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    env = os.environ | {"CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "sdpa"
+    assert lines[1].startswith("refused: attention_backend='kernel': the C++ decode kernel could not be built")
+    assert "could not be built" in done.stderr  # the fallback's warning
+
+
+def test_the_build_is_named_for_this_cpu_and_torch() -> None:
+    """-march=native: a binary in a shared cache must never serve another CPU; the name carries its flags."""
+    name = kernel_name()
+    assert name.startswith("tokenspool_paged_decode_") and name == kernel_name()

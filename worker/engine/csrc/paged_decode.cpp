@@ -1,0 +1,227 @@
+// Single-token (decode) attention that reads the paged K/V cache in place.
+//
+// Stock torch has no CPU kernel for a paged cache, so the Python path gathers every block table into a
+// contiguous copy per layer and runs SDPA over the copy, padded to the group's longest sequence. This operator
+// walks each sequence's block table instead: no copy, no padding, no mask, one call per layer for every
+// sequence of the step. Exact attention (two passes: scores, then a softmax-weighted sum of values), float32
+// accumulation whatever the cache's dtype.
+//
+// Shapes (names as in worker/engine/kv_cache.py):
+//   query        [B, H, D]            any strides with a unit last stride
+//   key_pool     [NB, BS, KVH, D]     one layer's pool, D contiguous
+//   value_pool   [NB, BS, KVH, D]
+//   block_tables [B, MB] int64        blocks of each sequence, right-padded with anything
+//   context_lens [B] int64            keys each sequence attends to (<= MB * BS)
+//   returns      [B, H, D]            query's dtype
+// GQA: query head h reads KV head h / (H / KVH), transformers' repeat_kv grouping.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// One row of D values as float32. bfloat16 is the top half of a float32: widen and shift, 16 or 8 at a time.
+inline void load_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void load_row(const at::BFloat16* src, int64_t n, float* dst) {
+  const auto* raw = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(raw + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
+inline void load_row(const at::Half* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// A row of one KV head is D values at a stride of a whole token (all KV heads), and blocks are scattered: the
+// hardware prefetcher does not follow that, so each loop asks for the row this many keys ahead.
+constexpr int64_t kPrefetchRows = 8;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
+}
+
+struct Layout {
+  int64_t num_seqs, num_heads, head_dim, num_kv_heads, block_size, group;
+  int64_t q_seq, q_head, out_seq, out_head;        // query / output strides
+  int64_t kv_block, kv_token, kv_head;             // pool strides
+  int64_t table_row;                               // block_tables stride
+};
+
+// Attention of query heads [head0, head0 + count) of sequence `seq`, all reading KV head `kv`. `kDim`: the head
+// size when known at compile time (the common 64 and 128, whose loops then unroll), else 0.
+template <typename Q, typename KV, int kDim>
+void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, const int64_t* table,
+            int64_t num_keys, int64_t kv, int64_t head0, int64_t count, float scale, Q* out,
+            std::vector<float>& scratch) {
+  const int64_t D = kDim > 0 ? kDim : L.head_dim;
+  scratch.resize(count * (2 * D + 2 + num_keys) + D);
+  float* q = scratch.data();           // [count, D] scaled queries
+  float* acc = q + count * D;          // [count, D] weighted sums of values
+  float* max_score = acc + count * D;  // [count]
+  float* total = max_score + count;    // [count] softmax denominators
+  float* row = total + count;          // [D] one key or value
+  float* scores = row + D;             // [count, num_keys]
+  for (int64_t h = 0; h < count; ++h) {
+    load_row(query + (head0 + h) * L.q_head, D, q + h * D);
+    for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
+  }
+  std::fill(acc, acc + count * D, 0.f);
+  std::fill(max_score, max_score + count, -std::numeric_limits<float>::infinity());
+  std::fill(total, total + count, 0.f);
+  const auto offset_of = [&](int64_t t) {
+    return table[t / L.block_size] * L.kv_block + (t % L.block_size) * L.kv_token + kv * L.kv_head;
+  };
+  for (int64_t t = 0; t < num_keys; ++t) {
+    const int64_t offset = offset_of(t);
+    if (t + kPrefetchRows < num_keys) prefetch_row(keys + offset_of(t + kPrefetchRows), D);
+    load_row(keys + offset, D, row);
+    for (int64_t h = 0; h < count; ++h) {
+      const float s = dot(q + h * D, row, D);
+      scores[h * num_keys + t] = s;
+      max_score[h] = std::max(max_score[h], s);
+    }
+  }
+  for (int64_t h = 0; h < count; ++h) {
+    float* s = scores + h * num_keys;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < num_keys; ++t) {
+      s[t] = std::exp(s[t] - max_score[h]);
+      sum += s[t];
+    }
+    total[h] = sum;
+  }
+  for (int64_t t = 0; t < num_keys; ++t) {
+    const int64_t offset = offset_of(t);
+    if (t + kPrefetchRows < num_keys) prefetch_row(values + offset_of(t + kPrefetchRows), D);
+    load_row(values + offset, D, row);
+    for (int64_t h = 0; h < count; ++h) axpy(scores[h * num_keys + t], row, acc + h * D, D);
+  }
+  for (int64_t h = 0; h < count; ++h) {
+    const float inv = 1.f / total[h];
+    Q* dst = out + (head0 + h) * L.out_head;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(acc[h * D + d] * inv);
+  }
+}
+
+template <typename Q, typename KV>
+void run(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
+         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  Layout L{};
+  L.num_seqs = query.size(0);
+  L.num_heads = query.size(1);
+  L.head_dim = query.size(2);
+  L.num_kv_heads = key_pool.size(2);
+  L.block_size = key_pool.size(1);
+  L.group = L.num_heads / L.num_kv_heads;
+  L.q_seq = query.stride(0);
+  L.q_head = query.stride(1);
+  L.out_seq = out.stride(0);
+  L.out_head = out.stride(1);
+  L.kv_block = key_pool.stride(0);
+  L.kv_token = key_pool.stride(1);
+  L.kv_head = key_pool.stride(2);
+  L.table_row = block_tables.stride(0);
+  const Q* q = query.data_ptr<Q>();
+  const KV* k = key_pool.data_ptr<KV>();
+  const KV* v = value_pool.data_ptr<KV>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  Q* o = out.data_ptr<Q>();
+  // Work items are (sequence, KV head) pairs, whose query heads share every key and value row read; with too
+  // few of them to keep the threads busy (one stream), each query head is its own item.
+  const int64_t pairs = L.num_seqs * L.num_kv_heads;
+  const int64_t heads_per_item = pairs >= 2 * at::get_num_threads() ? L.group : 1;
+  const int64_t items_per_seq = L.num_heads / heads_per_item;
+  const auto attend_one = L.head_dim == 64    ? attend<Q, KV, 64>
+                          : L.head_dim == 128 ? attend<Q, KV, 128>
+                                              : attend<Q, KV, 0>;
+  at::parallel_for(0, L.num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / items_per_seq, head0 = (item % items_per_seq) * heads_per_item;
+      attend_one(L, q + seq * L.q_seq, k, v, tables + seq * L.table_row, lens[seq], head0 / L.group, head0,
+             heads_per_item, static_cast<float>(scale), o + seq * L.out_seq, scratch);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_pool.dim() == 4 && value_pool.dim() == 4, "query [B, H, D], pools 4-d");
+  TORCH_CHECK(query.device().is_cpu(), "paged_decode_attention runs on the CPU");
+  TORCH_CHECK(query.stride(2) == 1 && key_pool.stride(3) == 1 && value_pool.stride(3) == 1, "unit last stride");
+  TORCH_CHECK(key_pool.strides() == value_pool.strides() && key_pool.sizes() == value_pool.sizes(), "K/V pools");
+  TORCH_CHECK(query.size(2) == key_pool.size(3) && query.size(1) % key_pool.size(2) == 0, "head shapes");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 indices");
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0), "one row a sequence");
+  TORCH_CHECK(block_tables.stride(1) == 1 && context_lens.is_contiguous(), "contiguous indices");
+  TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "K/V dtypes");
+  auto out = at::empty(query.sizes(), query.options());
+  const auto q_type = query.scalar_type(), kv_type = key_pool.scalar_type();
+  if (q_type == at::kFloat && kv_type == at::kFloat) {
+    run<float, float>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
+  } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
+    run<at::BFloat16, at::BFloat16>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
+  } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
+    run<float, at::BFloat16>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
+  } else if (q_type == at::kHalf && kv_type == at::kHalf) {
+    run<at::Half, at::Half>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: unsupported dtypes ", q_type, " and ", kv_type);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenspool, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenspool, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,66 @@
+"""The C++ decode-attention operator (``csrc/paged_decode.cpp``): built once per machine, loaded into torch.
+
+Stock torch has no CPU kernel that reads a paged K/V cache in place, so the Python decode path gathers each
+sequence's blocks into a copy per layer and pads a group to its longest sequence (``decode_attention.py``). This
+operator walks the block tables instead, one call per layer for every plain decode query of the step:
+``torch.ops.tokenspool.paged_decode_attention(query [B, H, D], key_pool, value_pool [NB, BS, KVH, D],
+block_tables [B, MB] int64, context_lens [B] int64, scale) -> [B, H, D]``.
+
+It is compiled with the machine's own instruction set (``-march=native``), by torch's extension builder (g++
+and ninja), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under
+a name that carries this CPU's flags and the torch version, so a cache shared between machines never serves a
+binary built for another CPU. ~15 s the first time on 2 cores (``make setup`` builds it ahead:
+``decode_kernel.main``), then a load. Where it cannot be built (no compiler) the engine keeps
+the gathered path and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import platform
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")  # -fopenmp: at::parallel_for runs threaded
+
+
+def kernel_name() -> str:
+    """The extension's name: this CPU's model and flags and the torch version, hashed (``-march=native``)."""
+    cpu = platform.processor() + platform.machine()
+    with contextlib.suppress(OSError):  # Linux; elsewhere the processor string alone
+        cpu += "".join(sorted({line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                               if line.startswith(("model name", "flags"))}))
+    digest = hashlib.sha256(f"{cpu}|{torch.__version__}|{' '.join(CFLAGS)}".encode()).hexdigest()[:12]
+    return f"tokenspool_paged_decode_{digest}"
+
+
+def loaded() -> bool:
+    """Whether the operator is registered in this process."""
+    return hasattr(torch.ops.tokenspool, "paged_decode_attention")
+
+
+def load_decode_kernel() -> str | None:
+    """Build (first time) and load the operator; returns None when it is available, else why it is not."""
+    if loaded():
+        return None
+    from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
+
+    try:
+        load(name=kernel_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+             is_python_module=False)
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja, a failed build
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+    return None if loaded() else "the built library registered no operator"
+
+
+def main() -> int:
+    """Build the operator ahead of the first worker (``make setup``)."""
+    problem = load_decode_kernel()
+    if problem is not None:
+        print(f"the C++ decode attention kernel could not be built ({problem}); workers use the gathered path")
+        return 0  # not an error: the engine works without it
+    print(f"decode attention kernel: {kernel_name()}")
+    return 0
