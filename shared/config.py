@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     quantization: str | None = Field("auto", description="auto (int4 on CPU where the weights came from 4-bit GGUF "
                                      "blocks, unless --dtype float32) | none | int8 | int4 (weight-only kernels for "
                                      "small batches) | fp16 (float16 weights, float32 activations; x86 CPUs)")
+    attention_backend: str = Field("auto", pattern="^(auto|sdpa|kernel|flex)$",
+                                   description="auto (flex on CUDA; on CPU the C++ decode kernel, built once with "
+                                   "g++ and ninja, else sdpa) | sdpa (gathered K/V) | kernel | flex")
     num_threads: int | None = Field(None, ge=1, description="torch threads; unset = the cores this process may use")
     worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
     drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")

@@ -67,13 +67,16 @@ def test_worker_flags_map_to_settings_fields() -> None:
         "--max-num-batched-tokens", "512", "--block-size", "8", "--num-kv-blocks", "100", "--device", "cpu",
         "--dtype", "float32", "--speculative", "ngram", "--draft-model", "/models/draft",
         "--num-speculative-tokens", "3", "--metrics-port", "9100", "--drain-timeout", "7.5",
-        "--no-enable-prefix-caching", "--worker-id", "w1",
+        "--no-enable-prefix-caching", "--worker-id", "w1", "--attention-backend", "sdpa",
     ])
     assert (settings.redis_url, settings.model, settings.max_num_seqs) == ("redis://127.0.0.1:1/0", "smollm2", 8)
     assert (settings.max_num_batched_tokens, settings.block_size, settings.num_kv_blocks) == (512, 8, 100)
     assert (settings.device, settings.dtype, settings.speculative) == ("cpu", "float32", "ngram")
     assert (settings.draft_model, settings.num_speculative_tokens, settings.metrics_port) == ("/models/draft", 3, 9100)
     assert (settings.drain_timeout_s, settings.enable_prefix_caching, settings.worker_id) == (7.5, False, "w1")
+    from worker.main import engine_config  # torch: only here
+
+    assert engine_config(settings).attention_backend == "sdpa"
 
 
 def test_api_and_up_flags_map_to_settings_fields(tmp_path: Path) -> None:
@@ -98,6 +101,7 @@ def test_env_var_applies_when_flag_absent_and_flag_wins(monkeypatch: pytest.Monk
         (["worker", "--max-num-seqs", "0"], {}, "--max-num-seqs: Input should be greater than or equal to 1"),
         (["api", "--port", "70000"], {}, "--port: Input should be less than or equal to 65535"),
         (["api"], {"TOKENSPOOL_PORT": "http"}, "TOKENSPOOL_PORT: Input should be a valid integer"),
+        (["worker", "--attention-backend", "paged"], {}, "--attention-backend: String should match pattern"),
     ],
 )
 def test_bad_value_exits_2_naming_flag_or_env_var(
