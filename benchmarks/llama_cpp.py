@@ -169,7 +169,8 @@ def make_runners(args: argparse.Namespace, url: str | None
     # "engine" is what a worker serves unconfigured: dtype by the CPU, and quantization "auto" (the worker's default:
     # int4 on the shipped Q4_1 SmolLM2 on CPU, float32 or bf16 activations); the others pin one setting each.
     configs = {"engine": {"quantization": "auto"}, "engine_fp32": {"dtype": "float32"},
-               "engine_bf16": {"dtype": "bfloat16"}}
+               "engine_bf16": {"dtype": "bfloat16"},
+               "engine_sdpa": {"quantization": "auto", "attention_backend": "sdpa"}}
     for system in args.systems:
         if system == "llama.cpp":
             assert url is not None
@@ -182,7 +183,7 @@ def make_runners(args: argparse.Namespace, url: str | None
             runners[system] = lambda reqs, engine=engine: run_engine(engine, reqs)
             dtypes[system] = str(engine.plan.dtype).removeprefix("torch.")
         else:
-            raise ValueError(f"--systems entries must be among {SYSTEMS + ('engine_bf16',)}, got {system!r}")
+            raise ValueError(f"--systems entries must be among {('llama.cpp', 'naive', *configs)}, got {system!r}")
     return runners, hf.config.vocab_size, dtypes
 
 
@@ -209,6 +210,7 @@ def run_rounds(runners: dict[str, Callable[[list[Req]], float]], vocab: int, rou
 LABELS = {"llama.cpp": "llama.cpp `llama-server` (Q4_1 GGUF, 32 slots)",
           "engine": "tokenspool engine (the worker's default: quantization auto)",
           "engine_fp32": "tokenspool engine, `--dtype float32`", "engine_bf16": "tokenspool engine, `--dtype bfloat16`",
+          "engine_sdpa": "tokenspool engine, the default with decode K/V gathered (`--attention-backend sdpa`)",
           "naive": "naive static batching (transformers `generate`, fp32)"}
 
 

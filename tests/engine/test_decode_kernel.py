@@ -61,11 +61,12 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tab
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40)])
-@pytest.mark.parametrize("lens", [[1], [37], [16, 1, 130, 47, 32, 9, 200, 3]])
+@pytest.mark.parametrize("lens", [[1], [37], [5, 70], [16, 1, 130, 47, 32, 9, 200, 3]])
 def test_operator_matches_float64_attention(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                                             lens: list[int]) -> None:
-    """One sequence (the per-head work split) and eight (per KV head), lengths on and off block boundaries; head
-    sizes 64 and 128 (unrolled) and 40 (the generic loop); GQA and plain multi-head."""
+    """The three work splits (with 2 threads: one sequence by query head, two by KV head, eight by sequence),
+    lengths on and off block boundaries; head sizes 64 and 128 (unrolled) and 40 (the generic loop); GQA and
+    plain multi-head."""
     query, keys, values, tables, context = scattered_case(len(lens) * dim, lens, heads, kv_heads, dim, dtype)
     scale = dim ** -0.5
     out = torch.ops.tokenspool.paged_decode_attention(query, keys, values, tables, context, scale)

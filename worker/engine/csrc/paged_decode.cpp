@@ -77,6 +77,7 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 // A row of one KV head is D values at a stride of a whole token (all KV heads), and blocks are scattered: the
 // hardware prefetcher does not follow that, so each loop asks for the row this many keys ahead.
 constexpr int64_t kPrefetchRows = 8;
+constexpr int64_t kKeysAtOnce = 4;  // the value pass below spells out four
 
 template <typename T>
 inline void prefetch_row(const T* row, int64_t n) {
@@ -91,20 +92,20 @@ struct Layout {
   int64_t table_row;                               // block_tables stride
 };
 
-// Attention of query heads [head0, head0 + count) of sequence `seq`, all reading KV head `kv`. `kDim`: the head
-// size when known at compile time (the common 64 and 128, whose loops then unroll), else 0.
+// Attention of query heads [head0, head0 + count) of one sequence, which read KV heads kv0 .. kv0 + num_kv - 1.
+// `kDim`: the head size when known at compile time (the common 64 and 128, whose loops then unroll), else 0.
 template <typename Q, typename KV, int kDim>
 void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, const int64_t* table,
-            int64_t num_keys, int64_t kv, int64_t head0, int64_t count, float scale, Q* out,
-            std::vector<float>& scratch) {
+            int64_t num_keys, int64_t head0, int64_t count, float scale, Q* out, std::vector<float>& scratch) {
   const int64_t D = kDim > 0 ? kDim : L.head_dim;
-  scratch.resize(count * (2 * D + 2 + num_keys) + D);
+  const int64_t kv0 = head0 / L.group, num_kv = (head0 + count - 1) / L.group - kv0 + 1;
+  scratch.resize(count * (2 * D + 2 + num_keys) + num_kv * kKeysAtOnce * D);
   float* q = scratch.data();           // [count, D] scaled queries
   float* acc = q + count * D;          // [count, D] weighted sums of values
   float* max_score = acc + count * D;  // [count]
   float* total = max_score + count;    // [count] softmax denominators
-  float* row = total + count;          // [D] one key or value
-  float* scores = row + D;             // [count, num_keys]
+  float* rows = total + count;         // [num_kv, kKeysAtOnce, D] keys or values
+  float* scores = rows + num_kv * kKeysAtOnce * D;  // [count, num_keys]
   for (int64_t h = 0; h < count; ++h) {
     load_row(query + (head0 + h) * L.q_head, D, q + h * D);
     for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
@@ -112,17 +113,33 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
   std::fill(acc, acc + count * D, 0.f);
   std::fill(max_score, max_score + count, -std::numeric_limits<float>::infinity());
   std::fill(total, total + count, 0.f);
-  const auto offset_of = [&](int64_t t) {
+  const auto offset_of = [&](int64_t t, int64_t kv) {
     return table[t / L.block_size] * L.kv_block + (t % L.block_size) * L.kv_token + kv * L.kv_head;
   };
-  for (int64_t t = 0; t < num_keys; ++t) {
-    const int64_t offset = offset_of(t);
-    if (t + kPrefetchRows < num_keys) prefetch_row(keys + offset_of(t + kPrefetchRows), D);
-    load_row(keys + offset, D, row);
+  // Keys and values are taken kKeysAtOnce at a time: independent dot products, and one pass over `acc` for
+  // several values, keep the pipeline busy (one at a time, each waited on the last one's reduction or store).
+  // All the item's KV heads of a token are read together: adjacent in the pool, so a block streams in order.
+  const auto load_keys = [&](const KV* pool, int64_t t, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (t + i + kPrefetchRows < num_keys) {
+        for (int64_t k = 0; k < num_kv; ++k) prefetch_row(pool + offset_of(t + i + kPrefetchRows, kv0 + k), D);
+      }
+      for (int64_t k = 0; k < num_kv; ++k) {
+        load_row(pool + offset_of(t + i, kv0 + k), D, rows + (k * kKeysAtOnce + i) * D);
+      }
+    }
+  };
+  const auto rows_of = [&](int64_t h) { return rows + ((head0 + h) / L.group - kv0) * kKeysAtOnce * D; };
+  for (int64_t t = 0; t < num_keys; t += kKeysAtOnce) {
+    const int64_t n = std::min(kKeysAtOnce, num_keys - t);
+    load_keys(keys, t, n);
     for (int64_t h = 0; h < count; ++h) {
-      const float s = dot(q + h * D, row, D);
-      scores[h * num_keys + t] = s;
-      max_score[h] = std::max(max_score[h], s);
+      const float* r = rows_of(h);
+      for (int64_t i = 0; i < n; ++i) {
+        const float s = dot(q + h * D, r + i * D, D);
+        scores[h * num_keys + t + i] = s;
+        max_score[h] = std::max(max_score[h], s);
+      }
     }
   }
   for (int64_t h = 0; h < count; ++h) {
@@ -135,11 +152,22 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
     }
     total[h] = sum;
   }
-  for (int64_t t = 0; t < num_keys; ++t) {
-    const int64_t offset = offset_of(t);
-    if (t + kPrefetchRows < num_keys) prefetch_row(values + offset_of(t + kPrefetchRows), D);
-    load_row(values + offset, D, row);
-    for (int64_t h = 0; h < count; ++h) axpy(scores[h * num_keys + t], row, acc + h * D, D);
+  for (int64_t t = 0; t < num_keys; t += kKeysAtOnce) {
+    const int64_t n = std::min(kKeysAtOnce, num_keys - t);
+    load_keys(values, t, n);
+    for (int64_t h = 0; h < count; ++h) {
+      const float* p = scores + h * num_keys + t;
+      const float* r = rows_of(h);
+      float* a = acc + h * D;
+      if (n == kKeysAtOnce) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          a[d] += p[0] * r[d] + p[1] * r[D + d] + p[2] * r[2 * D + d] + p[3] * r[3 * D + d];
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) axpy(p[i], r + i * D, a, D);
+      }
+    }
   }
   for (int64_t h = 0; h < count; ++h) {
     const float inv = 1.f / total[h];
@@ -172,10 +200,12 @@ void run(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& 
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   Q* o = out.data_ptr<Q>();
-  // Work items are (sequence, KV head) pairs, whose query heads share every key and value row read; with too
-  // few of them to keep the threads busy (one stream), each query head is its own item.
-  const int64_t pairs = L.num_seqs * L.num_kv_heads;
-  const int64_t heads_per_item = pairs >= 2 * at::get_num_threads() ? L.group : 1;
+  // Work items are whole sequences (every row read once, each block in order), else with too few sequences to
+  // keep the threads busy (sequence, KV head) pairs, else (one stream) single query heads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = L.num_seqs >= 2 * threads                      ? L.num_heads
+                                 : L.num_seqs * L.num_kv_heads >= 2 * threads ? L.group
+                                                                               : 1;
   const int64_t items_per_seq = L.num_heads / heads_per_item;
   const auto attend_one = L.head_dim == 64    ? attend<Q, KV, 64>
                           : L.head_dim == 128 ? attend<Q, KV, 128>
@@ -184,8 +214,8 @@ void run(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& 
     std::vector<float> scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq, head0 = (item % items_per_seq) * heads_per_item;
-      attend_one(L, q + seq * L.q_seq, k, v, tables + seq * L.table_row, lens[seq], head0 / L.group, head0,
-             heads_per_item, static_cast<float>(scale), o + seq * L.out_seq, scratch);
+      attend_one(L, q + seq * L.q_seq, k, v, tables + seq * L.table_row, lens[seq], head0, heads_per_item,
+                 static_cast<float>(scale), o + seq * L.out_seq, scratch);
     }
   });
 }
