@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tests.engine.helpers import mixed_workload
 from tests.engine.test_engine_parity import check_parity
 from worker.engine import EngineConfig
-from worker.engine.decode_kernel import kernel_name, load_decode_kernel
+from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
 
 BLOCK = 16
 
@@ -118,7 +118,10 @@ def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> 
     assert "could not be built" in done.stderr  # the fallback's warning
 
 
-def test_the_build_is_named_for_this_cpu_and_torch() -> None:
-    """-march=native: a binary in a shared cache must never serve another CPU; the name carries its flags."""
-    name = kernel_name()
-    assert name.startswith("tokenspool_paged_decode_") and name == kernel_name()
+def test_the_build_is_named_for_the_cpu_and_torch() -> None:
+    """-march=native: a binary in a shared cache must never serve another CPU or torch; the name says which."""
+    here = cpu_description()
+    assert "flags" in here  # Linux: /proc/cpuinfo's flags are part of it
+    assert kernel_name(here) == kernel_name(here)
+    assert kernel_name(here) != kernel_name(here.replace("avx2", "")) != kernel_name(here + " amx_tile")
+    assert kernel_name(here) != kernel_name(here, torch_version="0.0.0")

@@ -28,13 +28,18 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
 
 
-def kernel_name() -> str:
-    """The extension's name: this CPU's model and flags and the torch version, hashed (``-march=native``)."""
+def cpu_description() -> str:
+    """This CPU's architecture, model names and flags: what ``-march=native`` compiles for."""
     cpu = platform.processor() + platform.machine()
     with contextlib.suppress(OSError):  # Linux; elsewhere the processor string alone
         cpu += "".join(sorted({line for line in Path("/proc/cpuinfo").read_text().splitlines()
                                if line.startswith(("model name", "flags"))}))
-    digest = hashlib.sha256(f"{cpu}|{torch.__version__}|{' '.join(CFLAGS)}".encode()).hexdigest()[:12]
+    return cpu
+
+
+def kernel_name(cpu: str, torch_version: str = torch.__version__) -> str:
+    """The extension's name for ``cpu`` (``cpu_description``), the torch version and the flags, hashed."""
+    digest = hashlib.sha256(f"{cpu}|{torch_version}|{' '.join(CFLAGS)}".encode()).hexdigest()[:12]
     return f"tokenspool_paged_decode_{digest}"
 
 
@@ -50,10 +55,11 @@ def load_decode_kernel() -> str | None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
     try:
-        load(name=kernel_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-             is_python_module=False)
+        load(name=kernel_name(cpu_description()), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+             extra_ldflags=["-fopenmp"], is_python_module=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja, a failed build
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+        lines = str(exc).strip().splitlines()  # a failed build's message ends with the compiler's verdict
+        return f"{type(exc).__name__}: {lines[-1] if lines else '(no message)'}"
     return None if loaded() else "the built library registered no operator"
 
 
@@ -63,5 +69,5 @@ def main() -> int:
     if problem is not None:
         print(f"the C++ decode attention kernel could not be built ({problem}); workers use the gathered path")
         return 0  # not an error: the engine works without it
-    print(f"decode attention kernel: {kernel_name()}")
+    print(f"decode attention kernel: {kernel_name(cpu_description())}")
     return 0
