@@ -86,6 +86,16 @@ def test_operator_rejects_what_it_cannot_read() -> None:
         op(query, keys, values, tables.int(), context, 1.0)
     with pytest.raises(RuntimeError, match="unit last stride"):
         op(query.transpose(1, 2), keys.transpose(2, 3), values.transpose(2, 3), tables, context, 1.0)
+    # Indices that would read outside the pool are errors, not reads of memory beyond it.
+    width = tables.shape[1] * BLOCK
+    for lens in ([0], [width + 1]):
+        with pytest.raises(RuntimeError, match="context length"):
+            op(query, keys, values, tables, torch.tensor(lens), 1.0)
+    for bad_id in (-1, keys.shape[0]):
+        bad = tables.clone()
+        bad[0, 0] = bad_id
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            op(query, keys, values, bad, context, 1.0)
 
 
 def test_engine_on_the_kernel_matches_generate(tiny_model: Path) -> None:

@@ -220,6 +220,24 @@ void run(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& 
   });
 }
 
+// Every key a sequence reads must lie in the pool: a wrong length or block id is an error, not a read of memory
+// outside it (a few thousand integer compares a call).
+void check_indices(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_blocks,
+                   int64_t block_size) {
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1);
+  for (int64_t seq = 0; seq < block_tables.size(0); ++seq) {
+    TORCH_CHECK(lens[seq] >= 1 && lens[seq] <= width * block_size, "context length ", lens[seq], " of sequence ",
+                seq, " outside [1, ", width * block_size, "]");
+    const int64_t* table = tables + seq * block_tables.stride(0);
+    for (int64_t b = 0; b < (lens[seq] + block_size - 1) / block_size; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id ", table[b], " outside the pool of ",
+                  num_blocks);
+    }
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key_pool.dim() == 4 && value_pool.dim() == 4, "query [B, H, D], pools 4-d");
@@ -231,6 +249,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0), "one row a sequence");
   TORCH_CHECK(block_tables.stride(1) == 1 && context_lens.is_contiguous(), "contiguous indices");
   TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "K/V dtypes");
+  check_indices(block_tables, context_lens, key_pool.size(0), key_pool.size(1));
   auto out = at::empty(query.sizes(), query.options());
   const auto q_type = query.scalar_type(), kv_type = key_pool.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat) {
