@@ -164,7 +164,6 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
         width = max(len(t) for t in own_tables) * block_size
         shared = torch.tensor(tables[rows[0]][:num_shared], dtype=torch.long, device=device) if num_shared else None
         idx = [token_idx[r] for r in rows]
-        in_order = idx == list(range(idx[0], idx[0] + len(idx)))
         alone = len(rows) == 1 and not num_shared
         table = own_tables[0]
         consecutive = alone and list(table) == list(range(table[0], table[0] + len(table)))
@@ -172,7 +171,7 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
         num_keys = context_lens[rows[0]] if alone else None
         groups.append(DecodeGroup(
             token_idx=torch.tensor(idx, dtype=torch.long, device=device),
-            token_range=(idx[0], idx[0] + len(idx)) if in_order else None,
+            token_range=token_range(idx),
             shared_block_ids=shared,
             block_tables=prepare_block_tables(own_tables, device),
             key_mask=(torch.arange(width, device=device)[None, :] < own_lens[:, None])[:, None, None, :],
@@ -184,12 +183,16 @@ def prepare_decode_batch(token_idx: Sequence[int], tables: Sequence[Sequence[int
     return DecodeBatch(tuple(groups))
 
 
+def token_range(idx: list[int]) -> tuple[int, int] | None:
+    """``(start, end)`` when the queries ``idx`` are the step's tokens start..end-1 in order, else None."""
+    return (idx[0], idx[0] + len(idx)) if idx == list(range(idx[0], idx[0] + len(idx))) else None
+
+
 def _kernel_group(idx: list[int], tables: list[Sequence[int]], context_lens: list[int],
                   device: torch.device) -> DecodeGroup:
     """Plain queries for the C++ operator: their whole block tables and key counts, nothing else."""
-    in_order = idx == list(range(idx[0], idx[0] + len(idx)))
-    return DecodeGroup(token_idx=torch.tensor(idx, dtype=torch.long, device=device),
-                       token_range=(idx[0], idx[0] + len(idx)) if in_order else None, shared_block_ids=None,
+    return DecodeGroup(token_idx=torch.tensor(idx, dtype=torch.long, device=device), token_range=token_range(idx),
+                       shared_block_ids=None,
                        block_tables=prepare_block_tables(tables, device), key_mask=None,
                        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device))
 

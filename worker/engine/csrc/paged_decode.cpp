@@ -251,13 +251,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "K/V dtypes");
   check_indices(block_tables, context_lens, key_pool.size(0), key_pool.size(1));
   auto out = at::empty(query.sizes(), query.options());
+  // The query and the cache share the engine's compute dtype (KVCache allocates in it).
   const auto q_type = query.scalar_type(), kv_type = key_pool.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat) {
     run<float, float>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
   } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
     run<at::BFloat16, at::BFloat16>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
-  } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
-    run<float, at::BFloat16>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
   } else if (q_type == at::kHalf && kv_type == at::kHalf) {
     run<at::Half, at::Half>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
   } else {
