@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.engine.helpers import mixed_workload
 from tests.engine.test_engine_parity import check_parity
-from worker.engine import EngineConfig
+from worker.engine import Engine, EngineConfig
 from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
 
 BLOCK = 16
@@ -105,6 +105,15 @@ def test_engine_on_the_kernel_matches_generate(tiny_model: Path) -> None:
     config = EngineConfig(dtype="float32", model=str(tiny_model), block_size=BLOCK, num_kv_blocks=40,
                           max_num_seqs=8, max_num_batched_tokens=96, attention_backend="kernel")
     check_parity(tiny_model, config, workload)
+
+
+def test_auto_runs_the_kernel_for_the_own_decoder_on_a_cpu(tiny_model: Path) -> None:
+    """The default: the engine's own decoder decodes through the operator; transformers' exact float32 forward
+    keeps SDPA (its greedy tokens stay transformers')."""
+    own = Engine(EngineConfig(model=str(tiny_model), dtype="bfloat16", num_kv_blocks=16))
+    exact = Engine(EngineConfig(model=str(tiny_model), dtype="float32", num_kv_blocks=16))
+    assert (own.runner.compute.own_decoder, own.runner.attention_backend) == (True, "kernel")
+    assert (exact.runner.compute.own_decoder, exact.runner.attention_backend) == (False, "sdpa")
 
 
 def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> None:
