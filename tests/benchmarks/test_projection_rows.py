@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.projection_rows import LAYOUTS, SHAPES, build, main
-from worker.engine.linear import INT4_GROUP_SIZE, half_packs
+from worker.engine.linear import GROUP_SIZE, half_packs
 
 
 def test_every_layout_is_timed_at_every_row_count(capsys: pytest.CaptureFixture[str]) -> None:
@@ -25,5 +25,5 @@ def test_every_layout_is_timed_at_every_row_count(capsys: pytest.CaptureFixture[
 def test_quantised_layouts_take_the_kernel_beyond_the_engines_row_limits() -> None:
     layer = build(torch.bfloat16, "int4", layers=1)[0]
     x = torch.randn(64, layer.in_features).to(torch.bfloat16)  # more rows than any configured limit
-    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.codes, INT4_GROUP_SIZE, layer.scales)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.codes, GROUP_SIZE, layer.scales)
     assert torch.equal(layer(x), kernel)

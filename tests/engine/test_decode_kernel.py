@@ -1,6 +1,7 @@
-"""The C++ decode-attention operator (``csrc/paged_decode.cpp``), built on this machine as the engine builds it:
+"""The C++ operators, built on this machine as the engine builds them. Decode attention (``csrc/paged_decode.cpp``):
 against float64 attention over the gathered keys, on scattered blocks, every head layout and dtype it serves, and
-in the engine against ``generate``; and the engine's fallback where it cannot be built."""
+in the engine against ``generate``. The Q8_0 matmul (``csrc/int8_linear.cpp``): against float64 on every row count
+and group layout. And the engine's fallback where they cannot be built."""
 
 from __future__ import annotations
 
@@ -98,6 +99,39 @@ def test_operator_rejects_what_it_cannot_read() -> None:
             op(query, keys, values, bad, context, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "groups"), [(1, 1), (1, 18), (2, 3), (4, 48), (8, 5), (11, 2)])
+def test_int8_linear_matches_float64(dtype: torch.dtype, rows: int, groups: int) -> None:
+    """x @ (scales * codes).T for every pass size (1-8 rows, and 11: two passes), odd and even group counts, a
+    strided x; float32 accumulation, returned in x's dtype (float32: to float32 rounding)."""
+    generator = torch.Generator().manual_seed(rows * 100 + groups)
+    out_features, cols = 37, 32 * groups  # an output count that no work split divides
+    codes = torch.randint(-127, 128, (out_features, cols), dtype=torch.int8, generator=generator)
+    scales = (torch.rand(out_features, groups, generator=generator) * 0.01).half()
+    x = torch.randn(rows, 2 * cols, generator=generator).to(dtype)[:, ::2]  # strided, as a slice would be
+    weight = codes.view(out_features, groups, 32).double() * scales.double()[..., None]
+    expected = x.double() @ weight.view(out_features, cols).T
+    out = torch.ops.tokenspool.int8_linear(x, codes, scales)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert float((out.double() - expected).abs().max() / expected.abs().max()) < tolerance
+
+
+def test_int8_linear_rejects_what_it_cannot_read() -> None:
+    op = torch.ops.tokenspool.int8_linear
+    codes, scales = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2, dtype=torch.half)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.zeros(1, 48), torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 1, dtype=torch.half))
+    with pytest.raises(RuntimeError, match="codes"):
+        op(torch.zeros(1, 64), codes.int(), scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        op(torch.zeros(1, 64), codes, scales.float())
+    with pytest.raises(RuntimeError, match="scales"):
+        op(torch.zeros(1, 64), codes, torch.ones(4, 3, dtype=torch.half))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(torch.zeros(1, 64, dtype=torch.float16), codes, scales)
+
+
 def test_engine_on_the_kernel_matches_generate(tiny_model: Path) -> None:
     """float32 (so greedy tokens must equal transformers'): mixed lengths, chunked prefill, preemption, and a small
     pool whose blocks scatter; every decode step goes through the operator."""
@@ -118,15 +152,17 @@ def test_auto_runs_the_kernel_for_the_own_decoder_on_a_cpu(tiny_model: Path) -> 
 
 def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> None:
     """A build with no compiler (``CXX`` names none, in an empty extensions cache): ``auto`` keeps the gathered
-    path, an explicit ``kernel`` is an error."""
+    path, an explicit ``kernel`` is an error, and a quantised LM head keeps torch's formats."""
     script = (
+        "import torch\n"
         "from worker.engine.config import EngineConfig\n"
-        "from worker.engine.model_runner import settle_kernel\n"
+        "from worker.engine.model_runner import operators_loaded, settle_kernel\n"
         "print(settle_kernel(EngineConfig(), 'kernel'))\n"
         "try:\n"
         "    settle_kernel(EngineConfig(attention_backend='kernel'), 'kernel')\n"
         "except RuntimeError as exc:\n"
         "    print('refused:', exc)\n"
+        "print(operators_loaded(torch.device('cpu')))\n"
     )
     env = os.environ | {"CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -134,7 +170,8 @@ def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> 
     lines = done.stdout.splitlines()
     assert lines[0] == "sdpa"
     assert lines[1].startswith("refused: attention_backend='kernel': the C++ decode kernel could not be built")
-    assert "could not be built" in done.stderr  # the fallback's warning
+    assert lines[2] == "False"
+    assert "could not be built" in done.stderr and "the LM head keeps torch's formats" in done.stderr  # warnings
 
 
 def test_the_build_is_named_for_the_cpu_and_torch() -> None:

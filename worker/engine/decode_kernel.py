@@ -23,9 +23,12 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "int8_linear.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
+
+
+OPERATORS = ("paged_decode_attention", "int8_linear")
 
 
 def cpu_description() -> str:
@@ -39,13 +42,14 @@ def cpu_description() -> str:
 
 def kernel_name(cpu: str, torch_version: str = torch.__version__) -> str:
     """The extension's name for ``cpu`` (``cpu_description``), the torch version and the flags, hashed."""
-    digest = hashlib.sha256(f"{cpu}|{torch_version}|{' '.join(CFLAGS)}".encode()).hexdigest()[:12]
-    return f"tokenspool_paged_decode_{digest}"
+    sources = " ".join(path.name for path in SOURCES)
+    digest = hashlib.sha256(f"{cpu}|{torch_version}|{' '.join(CFLAGS)}|{sources}".encode()).hexdigest()[:12]
+    return f"tokenspool_kernels_{digest}"
 
 
 def loaded() -> bool:
-    """Whether the operator is registered in this process."""
-    return hasattr(torch.ops.tokenspool, "paged_decode_attention")
+    """Whether the operators are registered in this process."""
+    return all(hasattr(torch.ops.tokenspool, op) for op in OPERATORS)
 
 
 def load_decode_kernel() -> str | None:
@@ -55,7 +59,7 @@ def load_decode_kernel() -> str | None:
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
 
     try:
-        load(name=kernel_name(cpu_description()), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        load(name=kernel_name(cpu_description()), sources=[str(path) for path in SOURCES], extra_cflags=list(CFLAGS),
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja, a failed build
         lines = str(exc).strip().splitlines()  # a failed build's message ends with the compiler's verdict

@@ -89,27 +89,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.
     return normed if x.dtype == torch.float32 else normed.to(x.dtype)
 
 
-def head_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> str | None:
+def head_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: bool = False
+                      ) -> str | None:
     """The LM head's weights under the layers' ``quantization``: never int4 (GGUF files keep the head at 8 bits,
-    SmolLM2's is Q8_0, and int4 there costs far more quality than anywhere else in the model).
+    SmolLM2's is Q8_0, and int4 there costs far more quality than anywhere else in the model). ``kernels``:
+    tokenspool's C++ operators are loaded (``decode_kernel.load_decode_kernel``).
 
-    - bf16 on a CPU: prepacked bf16 alone; at one row it ran 2.1 ms against the int8 kernel's 2.4 (SmolLM2's
+    - with the operators, q8_0 (GGUF's own head format, so a Q8_0 head comes back exactly) through
+      ``tokenspool::int8_linear`` up to 4 rows, the dense head beyond: SmolLM2's head at one row 0.9-1.0 ms against
+      1.96-2.6 for prepacked bf16 and 1.7-1.9 for float16 (fbgemm); ahead through 4 rows (AMD EPYC Zen 4).
+    - else bf16 on a CPU: prepacked bf16 alone; at one row it ran 2.1 ms against torch's int8 kernel's 2.4 (SmolLM2's
       49152 x 576, EPYC) and agreed with the float32 head's top token more often (97.3% vs 96.0% of 2,048 positions).
     - float32 with fbgemm: float16 weights, float32 activations (2.7 ms against the int8 kernel's 3.9 at one row,
       22 against 47 for float32 at 32 rows, AVX2 EPYC; docs/performance.md).
     - else int8, with the default row limit (4): the int8 kernel's time grows with the rows (2.4 ms at one, 6.1
       at 8, 24 at 32) faster than the dense head's, so the projections' float32 limit (32) would not do.
     """
-    if quantization is None or prepacks(dtype, device):
+    if quantization is None:
+        return None
+    if kernels and device.type == "cpu":
+        return "q8_0"
+    if prepacks(dtype, device):
         return None
     return "fp16" if keeps_half(quantization, dtype, device) else "int8"
 
 
 class Decoder(nn.Module):
-    """A Llama/Qwen2 causal LM over the paged KV cache. ``config``/``generation_config``: the source model's."""
+    """A Llama/Qwen2 causal LM over the paged KV cache. ``config``/``generation_config``: the source model's;
+    ``kernels``: tokenspool's C++ operators are loaded, for the LM head (``head_quantization``)."""
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, quantization: str | None = None,
-                 max_rows: int = QUANTIZED_MAX_ROWS) -> None:
+                 max_rows: int = QUANTIZED_MAX_ROWS, kernels: bool = False) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason is not None:
@@ -126,8 +136,8 @@ class Decoder(nn.Module):
         self.rotary = inner.rotary_emb
         self.layers = nn.ModuleList(DecoderLayer(layer, dtype, quantization, max_rows) for layer in inner.layers)
         self.final_norm = inner.norm.weight.detach().float()
-        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head_quantization(quantization, dtype,
-                                                                                         self.embed.device))
+        head = head_quantization(quantization, dtype, self.embed.device, kernels)
+        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head)
 
     def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, D]`` for ``x * cos + roll(x, D/2) * sin`` (== rotate_half form)."""
