@@ -1,7 +1,8 @@
 """The C++ operators, built on this machine as the engine builds them. Decode attention (``csrc/paged_decode.cpp``):
 against float64 attention over the gathered keys, on scattered blocks, every head layout and dtype it serves, and
 in the engine against ``generate``. The Q8_0 matmul (``csrc/int8_linear.cpp``): against float64 on every row count
-and group layout. And the engine's fallback where they cannot be built."""
+and group layout. The decoder's fused steps (``csrc/fused.cpp``): against the torch forms they replace. And the
+engine's fallback where they cannot be built."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.engine.helpers import mixed_workload
 from tests.engine.test_engine_parity import check_parity
 from worker.engine import Engine, EngineConfig
 from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
+from worker.engine.decoder import rms_norm, rope, silu_and_mul
 
 BLOCK = 16
 
@@ -132,6 +134,54 @@ def test_int8_linear_rejects_what_it_cannot_read() -> None:
         op(torch.zeros(1, 64, dtype=torch.float16), codes, scales)
 
 
+# One rounding to the compute dtype against the torch forms' two or three: a bf16/float16 ulp apart at most,
+# float32 to its rounding.
+FUSED_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    scale = float(expected.float().abs().max())
+    return got.dtype == expected.dtype and float((got.float() - expected.float()).abs().max()) <= (
+        2 * FUSED_TOLERANCE[expected.dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_fused_steps_compute_what_the_torch_forms_do(dtype: torch.dtype, rows: int) -> None:
+    """rms_norm, RoPE (in place, on a strided slice of a fused projection, tables in the compute dtype and in
+    float32) and SiLU-and-multiply, each against the decoder's torch form, on strided rows (slices of a wider
+    tensor) where the decoder hands them over."""
+    generator = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 2 * 576, generator=generator).to(dtype)
+    x, weight = wide[:, :576], torch.rand(576, generator=generator) + 0.5
+    eps = torch.tensor(1e-5)
+    assert close(torch.ops.tokenspool.rms_norm(x, weight, 1e-5), rms_norm(x, weight, eps))
+    qkv = torch.randn(rows, 15, 64, generator=generator).to(dtype)  # 9 q + 3 k heads rotate, 3 v heads do not
+    angles = torch.rand(rows, 1, 32, generator=generator) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    for table_dtype in (dtype, torch.float32):
+        expected = rope(qkv[:, :12], cos.to(dtype), sin.to(dtype))
+        rotated = qkv.clone()
+        torch.ops.tokenspool.rope_(rotated[:, :12], cos.to(table_dtype), sin.to(table_dtype))
+        assert close(rotated[:, :12], expected) and torch.equal(rotated[:, 12:], qkv[:, 12:])
+    gate_up = torch.randn(rows, 2 * 1536, generator=generator).to(dtype) * 4
+    assert close(torch.ops.tokenspool.silu_and_mul(gate_up), silu_and_mul(gate_up))
+
+
+def test_fused_steps_reject_what_they_cannot_read() -> None:
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.tokenspool.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="unit last stride"):
+        torch.ops.tokenspool.rms_norm(torch.zeros(2, 16)[:, ::2], torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="even head size"):
+        torch.ops.tokenspool.rope_(torch.zeros(2, 3, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))
+    with pytest.raises(RuntimeError, match="gate_up"):
+        torch.ops.tokenspool.silu_and_mul(torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.tokenspool.silu_and_mul(torch.zeros(2, 8, dtype=torch.float64))
+
+
 def test_engine_on_the_kernel_matches_generate(tiny_model: Path) -> None:
     """float32 (so greedy tokens must equal transformers'): mixed lengths, chunked prefill, preemption, and a small
     pool whose blocks scatter; every decode step goes through the operator."""
@@ -171,7 +221,7 @@ def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> 
     assert lines[0] == "sdpa"
     assert lines[1].startswith("refused: attention_backend='kernel': the C++ decode kernel could not be built")
     assert lines[2] == "False"
-    assert "could not be built" in done.stderr and "the LM head keeps torch's formats" in done.stderr  # warnings
+    assert "could not be built" in done.stderr and "the decoder runs torch's ops" in done.stderr  # warnings
 
 
 def test_the_build_is_named_for_the_cpu_and_torch() -> None:

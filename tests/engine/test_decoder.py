@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from worker.engine import EngineConfig
 from worker.engine.attention import PagedContext
+from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.decoder import Decoder
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledChunk
@@ -43,11 +45,12 @@ def decoder_logits(decoder: Decoder, runner: ModelRunner, sequences: list[list[i
     return [torch.stack(rows) for rows in per_seq]
 
 
-def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = None
+def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = None, kernels: bool = False
             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(decoder logits, transformers logits) per sequence, both from weights loaded in float32 and run in ``dtype``."""
+    """(decoder logits, transformers logits) per sequence, both from weights loaded in float32 and run in ``dtype``;
+    ``kernels``: with tokenspool's C++ operators (fused norms, RoPE, SiLU-and-multiply; a q8_0 head)."""
     source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    decoder = Decoder(source, dtype, quantization)
+    decoder = Decoder(source, dtype, quantization, kernels=kernels)
     # The runner only lays out the steps and holds the KV cache, in ``dtype``; ``decoder`` computes them.
     runner = ModelRunner(EngineConfig(model=str(model_path), dtype=str(dtype).removeprefix("torch."),
                                       block_size=BLOCK, num_kv_blocks=16, device="cpu"), model_path)
@@ -60,16 +63,24 @@ def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = Non
     return list(zip(got, expected, strict=True))
 
 
-def test_float32_decoder_equals_transformers_forward(tiny_model: Path) -> None:
+@pytest.fixture(params=[False, True], ids=["torch-ops", "operators"])
+def kernels(request: pytest.FixtureRequest) -> bool:
+    """Both forms of the decoder's small steps: torch's ops, and tokenspool's C++ operators (built here)."""
+    if request.param:
+        assert load_decode_kernel() is None, "the C++ operators must build where the tests run"
+    return bool(request.param)
+
+
+def test_float32_decoder_equals_transformers_forward(tiny_model: Path, kernels: bool) -> None:
     """Llama and Qwen2 (q/k/v biases): float32 logits agree to float rounding (measured: 2e-6 of their spread)."""
-    for got, expected in compare(tiny_model, torch.float32):
+    for got, expected in compare(tiny_model, torch.float32, kernels=kernels):
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=2e-5 * float(expected.std()), rtol=0)
 
 
-def test_bfloat16_decoder_is_close_to_transformers_bfloat16(tiny_model: Path) -> None:
+def test_bfloat16_decoder_is_close_to_transformers_bfloat16(tiny_model: Path, kernels: bool) -> None:
     """bf16 against transformers in bf16: a few bf16 roundings apart (measured: 0.2-0.4% relative error)."""
-    for got, expected in compare(tiny_model, torch.bfloat16):
+    for got, expected in compare(tiny_model, torch.bfloat16, kernels=kernels):
         assert float((got - expected).norm() / expected.norm()) < 0.01
 
 

@@ -207,8 +207,8 @@ def teacher_forced_decode(decoder: Decoder, runner: ModelRunner, ids: list[int])
 
 # (compute dtype, quantisation, forward): "prefill" scores all positions as one chunk (the dense weights),
 # "decode" one position per step (the weight-only kernels); measured numbers in the test's docstring.
-# int4 cases run as the engine does where tokenspool's operators are built (the LM head in q8_0); "int4 torch-head"
-# without them.
+# int4 cases run as the engine does where tokenspool's operators are built (the LM head in q8_0, the fused small
+# steps); "int4 torch-head" without them.
 QUALITY_CASES = [(torch.bfloat16, None, "prefill"), (torch.bfloat16, "int8", "prefill"),
                  (torch.bfloat16, "int4", "prefill"), (torch.bfloat16, "int4", "decode"),
                  (torch.bfloat16, "int4 torch-head", "decode"),
@@ -224,8 +224,8 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
     """Teacher-forced over natural text against the float32 model: top-1 agreement >= 97% and perplexity within
     3% (measured: bf16 99.3%, int8 99.3%, int4 98.5%; perplexity 6.90 -> 6.97 / 6.90 / 6.95; float32 activations
     with int4, CPUs without fast bf16: see docs/performance.md. The old dynamic int8 option measured 81% and 8.6).
-    bf16 int4 decode rows with the q8_0 head (the engine's, where its operators are built) 97.8%, perplexity 6.95,
-    with the bf16 head 97.0% and 6.96 (AMD EPYC Zen 4, 2026-12-02).
+    bf16 int4 decode rows with tokenspool's operators (the engine's where they are built: q8_0 head, fused norms,
+    RoPE and SiLU, each rounded once) 99.3%, perplexity 6.96; with torch's ops and the bf16 head 97.0% and 6.96.
     float16 weights with float32 activations keep >= 99.5% (``FP16_MIN_AGREEMENT``).
     Prefill rows run the dense de-quantised weights, decode rows the weight-only kernels with bf16 activations."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2)

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "int8_linear.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "int8_linear.cpp", "fused.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
 
 
-OPERATORS = ("paged_decode_attention", "int8_linear")
+OPERATORS = ("paged_decode_attention", "int8_linear", "rms_norm", "rope_", "silu_and_mul")
 
 
 def cpu_description() -> str:

@@ -89,6 +89,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.
     return normed if x.dtype == torch.float32 else normed.to(x.dtype)
 
 
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k heads at once: ``qk`` [T, heads, D], ``cos``/``sin`` [T, 1, D] (``Decoder.rope_tables``,
+    sin's first half negated), so that ``roll`` by D/2 stands in for ``rotate_half``."""
+    return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of a fused ``[T, 2 I]`` projection -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def head_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: bool = False
                       ) -> str | None:
     """The LM head's weights under the layers' ``quantization``: never int4 (GGUF files keep the head at 8 bits,
@@ -116,7 +128,9 @@ def head_quantization(quantization: str | None, dtype: torch.dtype, device: torc
 
 class Decoder(nn.Module):
     """A Llama/Qwen2 causal LM over the paged KV cache. ``config``/``generation_config``: the source model's;
-    ``kernels``: tokenspool's C++ operators are loaded, for the LM head (``head_quantization``)."""
+    ``kernels``: tokenspool's C++ operators are loaded (on a CPU): the LM head takes q8_0 (``head_quantization``)
+    under quantisation, and each layer's norms, RoPE and SiLU-and-multiply run as one operator each
+    (``csrc/fused.cpp``) instead of the torch ops below (which run elsewhere: CUDA, or no compiler)."""
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, quantization: str | None = None,
                  max_rows: int = QUANTIZED_MAX_ROWS, kernels: bool = False) -> None:
@@ -136,6 +150,8 @@ class Decoder(nn.Module):
         self.rotary = inner.rotary_emb
         self.layers = nn.ModuleList(DecoderLayer(layer, dtype, quantization, max_rows) for layer in inner.layers)
         self.final_norm = inner.norm.weight.detach().float()
+        self.fused = kernels and self.embed.device.type == "cpu"
+        self.eps = float(config.rms_norm_eps)
         head = head_quantization(quantization, dtype, self.embed.device, kernels)
         self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head)
 
@@ -153,20 +169,28 @@ class Decoder(nn.Module):
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, ctx)
-        hidden = rms_norm(hidden[logits_indices], self.final_norm, self.shape.rms_norm_eps)
-        return self.lm_head(hidden)  # [B, V]
+        return self.lm_head(self._norm(hidden[logits_indices], self.final_norm))  # [B, V]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            out: torch.Tensor = torch.ops.tokenspool.rms_norm(x, weight, self.eps)
+            return out
+        return rms_norm(x, weight, self.shape.rms_norm_eps)
 
     def _layer(self, index: int, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                ctx: PagedContext) -> torch.Tensor:
         """One block; ``hidden``: [T, hidden] -> [T, hidden]."""
         shape, num_tokens = self.shape, hidden.shape[0]
         num_qk_heads = shape.num_heads + shape.num_kv_heads
-        qkv = layer.qkv(rms_norm(hidden, layer.input_norm, shape.rms_norm_eps))  # [T, (H + 2 kvh) * D]
+        qkv = layer.qkv(self._norm(hidden, layer.input_norm))  # [T, (H + 2 kvh) * D]
         qk = qkv[:, :num_qk_heads * shape.head_dim].view(num_tokens, num_qk_heads, shape.head_dim)
-        qk = qk * cos + qk.roll(shape.head_dim // 2, dims=-1) * sin  # RoPE on q and k at once
+        if self.fused:
+            torch.ops.tokenspool.rope_(qk, cos, sin)  # in place, in qkv
+        else:
+            qk = rope(qk, cos, sin)
         value = qkv[:, num_qk_heads * shape.head_dim:].view(num_tokens, shape.num_kv_heads, shape.head_dim)
         attn = paged_attention(index, qk[:, :shape.num_heads], qk[:, shape.num_heads:], value, ctx, layer.scale)
         hidden = hidden + layer.o(attn.view(num_tokens, -1), cast_back=False)  # promotes a kernel's bf16
-        gate_up = layer.gate_up(rms_norm(hidden, layer.post_attention_norm, shape.rms_norm_eps))  # [T, 2 I]
-        gate, up = gate_up.split(shape.intermediate_size, dim=-1)
-        return hidden + layer.down(F.silu(gate) * up, cast_back=False)
+        gate_up = layer.gate_up(self._norm(hidden, layer.post_attention_norm))  # [T, 2 I]
+        fused_mlp = torch.ops.tokenspool.silu_and_mul if self.fused else silu_and_mul
+        return hidden + layer.down(fused_mlp(gate_up), cast_back=False)

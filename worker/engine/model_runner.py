@@ -81,19 +81,18 @@ def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: 
     compute = plan_compute(config, device, dtype, reason, on_grid)
     if not compute.own_decoder:
         return model.to(dtype), None, compute
-    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows,
-                      kernels=compute.quantization is not None and operators_loaded(device))
+    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows, kernels=operators_loaded(device))
     return decoder, decoder, compute
 
 
 def operators_loaded(device: torch.device) -> bool:
     """Whether tokenspool's C++ operators run here: on a CPU, once built and loaded; where they cannot be built the
-    quantised LM head keeps torch's formats, with a warning."""
+    decoder runs torch's ops (a quantised LM head keeps torch's formats), with a warning."""
     if device.type != "cpu":
         return False
     problem = load_decode_kernel()
     if problem is not None:
-        log.warning("the C++ operators could not be built (%s): the LM head keeps torch's formats", problem)
+        log.warning("the C++ operators could not be built (%s): the decoder runs torch's ops", problem)
     return problem is None
 
 
