@@ -1,17 +1,20 @@
-"""The C++ decode-attention operator (``csrc/paged_decode.cpp``): built once per machine, loaded into torch.
+"""tokenspool's C++ CPU operators (``csrc/``): built once per machine, loaded into torch.
 
-Stock torch has no CPU kernel that reads a paged K/V cache in place, so the Python decode path gathers each
-sequence's blocks into a copy per layer and pads a group to its longest sequence (``decode_attention.py``). This
-operator walks the block tables instead, one call per layer for every plain decode query of the step:
-``torch.ops.tokenspool.paged_decode_attention(query [B, H, D], key_pool, value_pool [NB, BS, KVH, D],
-block_tables [B, MB] int64, context_lens [B] int64, scale) -> [B, H, D]``.
+- ``paged_decode_attention`` (``paged_decode.cpp``): stock torch has no CPU kernel that reads a paged K/V cache in
+  place, so the Python decode path gathers each sequence's blocks into a copy per layer and pads a group to its
+  longest sequence (``decode_attention.py``). This operator walks the block tables instead, one call per layer
+  for every plain decode query of the step: ``(query [B, H, D], key_pool, value_pool [NB, BS, KVH, D],
+  block_tables [B, MB] int64, context_lens [B] int64, scale) -> [B, H, D]``.
+- ``int8_linear`` (``int8_linear.cpp``): the LM head in GGUF's Q8_0 blocks for few rows (``linear.py``'s q8_0).
+- ``rms_norm``, ``rope_``, ``silu_and_mul`` (``fused.cpp``): the decoder's small per-layer steps, one operator each
+  instead of a chain of torch ops (``decoder.py``).
 
-It is compiled with the machine's own instruction set (``-march=native``), by torch's extension builder (g++
+They are compiled with the machine's own instruction set (``-march=native``), by torch's extension builder (g++
 and ninja), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under
-a name that carries this CPU's flags and the torch version, so a cache shared between machines never serves a
-binary built for another CPU. ~15 s the first time on 2 cores (``make setup`` builds it ahead:
-``decode_kernel.main``), then a load. Where it cannot be built (no compiler) the engine keeps
-the gathered path and says why.
+a name that carries this CPU's flags, the torch version and the sources, so a cache shared between machines never
+serves a binary built for another CPU. ~30 s the first time on 2 cores (``make setup`` builds them ahead:
+``decode_kernel.main``), then a load. Where they cannot be built (no compiler) the engine keeps torch's ops and
+says why.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "int8_linear.cpp", "fused.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "int8_linear.cpp",
+                                                                      "fused.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
 
@@ -53,7 +57,7 @@ def loaded() -> bool:
 
 
 def load_decode_kernel() -> str | None:
-    """Build (first time) and load the operator; returns None when it is available, else why it is not."""
+    """Build (first time) and load the operators; returns None when they are available, else why they are not."""
     if loaded():
         return None
     from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
@@ -68,10 +72,10 @@ def load_decode_kernel() -> str | None:
 
 
 def main() -> int:
-    """Build the operator ahead of the first worker (``make setup``)."""
+    """Build the operators ahead of the first worker (``make setup``)."""
     problem = load_decode_kernel()
     if problem is not None:
-        print(f"the C++ decode attention kernel could not be built ({problem}); workers use the gathered path")
+        print(f"the C++ operators could not be built ({problem}); workers run torch's ops")
         return 0  # not an error: the engine works without it
-    print(f"decode attention kernel: {kernel_name(cpu_description())}")
+    print(f"C++ operators: {kernel_name(cpu_description())}")
     return 0
