@@ -18,6 +18,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -86,7 +88,7 @@ void silu_and_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
         const float g = static_cast<float>(gate[i]);
-        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+        o[i] = static_cast<T>(g / (1.f + tokenspool::fast_exp(-g)) * static_cast<float>(up[i]));
       }
     }
   });

@@ -22,6 +22,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -147,7 +149,7 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < num_keys; ++t) {
-      s[t] = std::exp(s[t] - max_score[h]);
+      s[t] = tokenspool::fast_exp(s[t] - max_score[h]);
       sum += s[t];
     }
     total[h] = sum;
