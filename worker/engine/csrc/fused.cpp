@@ -22,11 +22,36 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kRowsPerTask = 8;  // prefill: many rows, split over the threads; decode: a row or a few
+
+// Element conversions written without branches, so that gcc vectorises the loops around them (c10's conversion
+// to bfloat16 branches on NaN: a silu_and_mul over 32 SmolLM2 rows took 134 us scalar). Rounding to nearest even;
+// a NaN stays a NaN.
+inline float widen(float v) { return v; }
+inline float widen(at::Half v) { return static_cast<float>(v); }
+inline float widen(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T narrow(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline at::BFloat16 narrow<at::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return at::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), at::BFloat16::from_bits());
+}
 
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, const float* weight, float eps, at::Tensor& out) {
@@ -40,13 +65,13 @@ void rms_norm_rows(const at::Tensor& x, const float* weight, float eps, at::Tens
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t c = 0; c < C; ++c) {
-        row[c] = static_cast<float>(in[c]);
+        row[c] = widen(in[c]);
         sum += row[c] * row[c];
       }
       const float scale = 1.f / std::sqrt(eps + sum / static_cast<float>(C));
       T* o = dst + r * C;
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) o[c] = static_cast<T>(row[c] * scale * weight[c]);
+      for (int64_t c = 0; c < C; ++c) o[c] = narrow<T>(row[c] * scale * weight[c]);
     }
   });
 }
@@ -60,16 +85,16 @@ void rope_rows(at::Tensor& qk, const Table* cos, const Table* sin, int64_t table
     std::vector<float> c(D), s(D), x(D);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t d = 0; d < D; ++d) {
-        c[d] = static_cast<float>(cos[r * table_stride + d]);
-        s[d] = static_cast<float>(sin[r * table_stride + d]);
+        c[d] = widen(cos[r * table_stride + d]);
+        s[d] = widen(sin[r * table_stride + d]);
       }
       for (int64_t h = 0; h < heads; ++h) {
         T* v = base + r * row_stride + h * head_stride;
-        for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(v[d]);
+        for (int64_t d = 0; d < D; ++d) x[d] = widen(v[d]);
 #pragma omp simd
-        for (int64_t d = 0; d < half; ++d) v[d] = static_cast<T>(x[d] * c[d] + x[d + half] * s[d]);
+        for (int64_t d = 0; d < half; ++d) v[d] = narrow<T>(x[d] * c[d] + x[d + half] * s[d]);
 #pragma omp simd
-        for (int64_t d = half; d < D; ++d) v[d] = static_cast<T>(x[d] * c[d] + x[d - half] * s[d]);
+        for (int64_t d = half; d < D; ++d) v[d] = narrow<T>(x[d] * c[d] + x[d - half] * s[d]);
       }
     }
   });
@@ -87,8 +112,8 @@ void silu_and_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       T* o = dst + r * I;
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        o[i] = static_cast<T>(g / (1.f + tokenspool::fast_exp(-g)) * static_cast<float>(up[i]));
+        const float g = widen(gate[i]);
+        o[i] = narrow<T>(g / (1.f + tokenspool::fast_exp(-g)) * widen(up[i]));
       }
     }
   });
