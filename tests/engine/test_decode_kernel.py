@@ -224,6 +224,31 @@ def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> 
     assert "could not be built" in done.stderr and "the decoder runs torch's ops" in done.stderr  # warnings
 
 
+AVX2_BUILD = """
+import sys
+import pytest
+from torch.utils.cpp_extension import load
+from worker.engine.decode_kernel import CFLAGS, SOURCES
+load(name="tokenspool_kernels_avx2_test", sources=[str(path) for path in SOURCES],
+     extra_cflags=[*CFLAGS, "-mno-avx512f"], extra_ldflags=["-fopenmp"], is_python_module=False)
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+                      sys.argv[1], "-k", "operator_matches or int8_linear or fused_steps"]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("avx512f" not in cpu_description() or "avx2" not in cpu_description(),
+                    reason="the native build is this CPU's only one")
+def test_the_avx2_build_passes_the_operator_tests(tmp_path: Path) -> None:
+    """The operators' AVX2 code (what AMD EPYCs without AVX-512 run) built here with AVX-512 switched off, and this
+    file's operator tests run against that build (the module fixture finds the operators already loaded)."""
+    env = os.environ | {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    done = subprocess.run([sys.executable, "-c", AVX2_BUILD, str(Path(__file__).resolve())], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
 def test_the_build_is_named_for_the_cpu_and_torch() -> None:
     """-march=native: a binary in a shared cache must never serve another CPU or torch; the name says which."""
     here = cpu_description()
