@@ -38,7 +38,12 @@ SYSTEMS = {
     "fp16": {"quantization": "fp16"},  # float16 weights (fbgemm), float32 activations: x86 CPUs without fast bf16
     "decoder": {"quantization": "none"},  # the own decoder with the weights in the picked dtype, unquantised
     "sdpa": {"quantization": "auto", "attention_backend": "sdpa"},  # the default, decode K/V gathered for SDPA
+    "torch_ops": {"quantization": "auto"},  # the default with the decoder's small steps as torch ops (see below)
 }
+# Systems that differ from their config after the engine is built: ``torch_ops`` runs the norms, RoPE and
+# SiLU-and-multiply as torch ops instead of tokenspool's fused C++ operators (what a worker without a compiler runs,
+# its LM head aside), to measure what the operators save.
+ADJUST = {"torch_ops": lambda engine: setattr(engine.runner.decoder, "fused", False)}
 
 
 def one_stream(engine, sampling_params) -> float:
@@ -105,6 +110,8 @@ def main() -> int:
     engines = {name: Engine(EngineConfig(model=path, num_threads=args.threads, max_num_seqs=32, num_kv_blocks=1100,
                                          **SYSTEMS[name]))
                for name in args.systems.split(",")}
+    for name, engine in engines.items():
+        ADJUST.get(name, lambda _: None)(engine)
     for engine in engines.values():  # warm-up: first-call allocations and kernel selection
         engine.generate([list(range(1000, 1016))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     if args.steps:
