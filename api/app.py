@@ -28,9 +28,11 @@ from api.tokenization import ModelCatalog
 from shared.config import Settings
 from shared.queue import JobQueue
 from shared.redis_client import is_cluster_url, open_client
+from shared.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 
+TASK_STOP_S = 2.0  # how long shutdown waits for the background loops to unwind
 EXPIRE_INTERVAL_S = 1.0  # how late the API notices a queued job past its deadline, at most
 MULTIPART_OVERHEAD_BYTES = 65_536  # an upload's multipart framing and form fields, beyond the file itself
 
@@ -109,11 +111,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if stuck := await stop_tasks(tasks, TASK_STOP_S):
+            log.warning("background tasks %s did not stop within %s s; leaving them",
+                        sorted(t.get_name() for t in stuck), TASK_STOP_S)
         await queue.live_channels.aclose()
         await client.aclose()
 

@@ -9,7 +9,6 @@ HTTP response body runs in another task than the endpoint that decided the statu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ import anyio
 from api.sse import wait_for_disconnect
 from shared.queue import JobQueue, RateState
 from shared.schemas import DoneEvent, ErrorEvent, JobRecord, JobSubmission, StreamEvent
+from shared.tasks import stop_tasks
 
 _END = object()
 CLOSE_TIMEOUT_S = 1.0
@@ -115,11 +115,10 @@ class JobRelay:
         if self._task is None:
             return
         task, self._task = self._task, None
-        task.cancel()
-        # Bounded: a cancellation that lands while redis-py waits on a read with a timeout can be taken for
-        # that timeout and lost; the task then ends at the next poll, and nobody needs to wait for it here.
-        with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True), contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        # Cancelled again while it runs (a cancellation redis-py takes for a read timeout is lost) and bounded;
+        # shielded, so a close from a cancelled scope still stops the task.
+        with anyio.CancelScope(shield=True):
+            await stop_tasks([task], CLOSE_TIMEOUT_S)
 
 
 async def run_until_disconnect(work: Callable[[], Awaitable[Any]], receive: Callable[[], Awaitable[Any]]

@@ -28,6 +28,7 @@ from redis.asyncio.cluster import ClusterPubSub
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.pubsub import SUBSCRIBE_TIMEOUT_S, TRANSIENT_ERRORS, as_text, close_quietly
+from shared.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,7 @@ class LiveChannels:
     async def aclose(self) -> None:
         """Stop the listener and close the connection (process shutdown); readers left fall back to the log."""
         if self._listener is not None:
-            self._listener.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._listener
+            await stop_tasks([self._listener], SUBSCRIBE_TIMEOUT_S)
 
     async def subscribe(self, channel: str) -> LiveSubscription:
         """A new reader of ``channel``, returned once Redis has confirmed the subscription."""

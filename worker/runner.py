@@ -18,6 +18,7 @@ import time
 from shared.config import Settings
 from shared.queue import JobQueue
 from shared.schemas import FinishReason, TokenEvent, TokenLogprob
+from shared.tasks import stop_tasks
 from worker.claims import Claimer, abort_all
 from worker.context import WorkerContext
 from worker.control import Control
@@ -194,10 +195,7 @@ class Runner:
         Redis gets one lease TTL to answer: after that the leases expire and reapers recover the jobs anyway,
         so waiting longer would only delay the exit.
         """
-        for task in tasks:
-            task.cancel()
-        _, stuck = await asyncio.wait(tasks, timeout=TASK_STOP_S)
-        if stuck:
+        if stuck := await stop_tasks(tasks, TASK_STOP_S):
             log.warning("background tasks %s did not stop within %s s; leaving them",
                         sorted(t.get_name() for t in stuck), TASK_STOP_S,
                         extra={"stacks": [repr(t.get_stack()) for t in stuck]})
