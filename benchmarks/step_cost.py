@@ -40,10 +40,17 @@ SYSTEMS = {
     "sdpa": {"quantization": "auto", "attention_backend": "sdpa"},  # the default, decode K/V gathered for SDPA
     "torch_ops": {"quantization": "auto"},  # the default with the decoder's small steps as torch ops (see below)
 }
-# Systems that differ from their config after the engine is built: ``torch_ops`` runs the norms, RoPE and
-# SiLU-and-multiply as torch ops instead of tokenspool's fused C++ operators (what a worker without a compiler runs,
-# its LM head aside), to measure what the operators save.
-ADJUST = {"torch_ops": lambda engine: setattr(engine.runner.decoder, "fused", False)}
+# Systems that differ from their config after the engine is built: ``torch_ops`` runs the norms, RoPE,
+# SiLU-and-multiply and the K/V writes as torch ops instead of tokenspool's C++ operators (what a worker without a
+# compiler runs, its LM head aside), to measure what the operators save.
+
+
+def _torch_ops(engine) -> None:
+    engine.runner.decoder.fused = False
+    engine.runner.kv_cache.fused_write = False
+
+
+ADJUST = {"torch_ops": _torch_ops}
 
 
 def one_stream(engine, sampling_params) -> float:

@@ -182,6 +182,44 @@ def test_fused_steps_reject_what_they_cannot_read() -> None:
         torch.ops.tokenspool.silu_and_mul(torch.zeros(2, 8, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 600])
+def test_kv_write_stores_what_index_copy_does(dtype: torch.dtype, rows: int) -> None:
+    """K/V rows as the decoder hands them over (views into a fused QKV output: strided rows), to shuffled slots
+    of a layer's caches, bit for bit what two index_copy_ store; 600 rows split over the threads."""
+    generator = torch.Generator().manual_seed(rows)
+    slots_total, kv_heads, dim, heads = 1024, 3, 64, 9
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    key = qkv[:, heads * dim:(heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    value = qkv[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim)
+    slots = torch.randperm(slots_total, generator=generator)[:rows]
+    caches = [torch.randn(slots_total, kv_heads, dim, generator=generator).to(dtype) for _ in range(2)]
+    expected = [cache.clone().index_copy_(0, slots, new) for cache, new in zip(caches, (key, value), strict=True)]
+    torch.ops.tokenspool.kv_write_(caches[0], caches[1], slots, key, value)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_kv_write_rejects_what_it_cannot_store() -> None:
+    cache, rows = torch.zeros(32, 3, 64), torch.zeros(2, 3, 64)
+    with pytest.raises(RuntimeError, match="slot 32 outside the cache of 32"):
+        torch.ops.tokenspool.kv_write_(cache, cache.clone(), torch.tensor([0, 32]), rows, rows)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.tokenspool.kv_write_(cache, cache.clone(), torch.tensor([0, 1]), rows.bfloat16(), rows.bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.tokenspool.kv_write_(cache, cache.clone(), torch.tensor([0, 1]),
+                                       torch.zeros(2, 64, 3).transpose(1, 2), rows)  # heads interleaved
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.tokenspool.kv_write_(cache, cache.clone(), torch.tensor([0, 1], dtype=torch.int32), rows, rows)
+    assert not cache.any()  # nothing written by a refused call
+
+
+def test_the_decoder_writes_its_k_v_through_the_operator(tiny_model: Path) -> None:
+    """Where the operators run the decoder, its K/V go through kv_write_; transformers' forward keeps index_copy_."""
+    own = Engine(EngineConfig(model=str(tiny_model), dtype="bfloat16", num_kv_blocks=16))
+    exact = Engine(EngineConfig(model=str(tiny_model), dtype="float32", num_kv_blocks=16))
+    assert own.runner.kv_cache.fused_write and not exact.runner.kv_cache.fused_write
+
+
 def test_engine_on_the_kernel_matches_generate(tiny_model: Path) -> None:
     """float32 (so greedy tokens must equal transformers'): mixed lengths, chunked prefill, preemption, and a small
     pool whose blocks scatter; every decode step goes through the operator."""
@@ -232,7 +270,7 @@ from worker.engine.decode_kernel import CFLAGS, SOURCES
 load(name="tokenspool_kernels_avx2_test", sources=[str(path) for path in SOURCES],
      extra_cflags=[*CFLAGS, "-mno-avx512f"], extra_ldflags=["-fopenmp"], is_python_module=False)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
-                      sys.argv[1], "-k", "operator_matches or int8_linear or fused_steps"]))
+                      sys.argv[1], "-k", "operator_matches or int8_linear or fused_steps or kv_write"]))
 """
 
 

@@ -8,6 +8,8 @@
 - ``int8_linear`` (``int8_linear.cpp``): the LM head in GGUF's Q8_0 blocks for few rows (``linear.py``'s q8_0).
 - ``rms_norm``, ``rope_``, ``silu_and_mul`` (``fused.cpp``): the decoder's small per-layer steps, one operator each
   instead of a chain of torch ops (``decoder.py``).
+- ``kv_write_`` (``kv_write.cpp``): a layer's new keys and values stored at their slots in one call, not two
+  ``index_copy_`` (``kv_cache.py``, for the decoder).
 
 They are compiled with the machine's own instruction set (``-march=native``), by torch's extension builder (g++
 and ninja), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under
@@ -27,12 +29,12 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "int8_linear.cpp",
-                                                                      "fused.cpp"))
+                                                                      "fused.cpp", "kv_write.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
 
 
-OPERATORS = ("paged_decode_attention", "int8_linear", "rms_norm", "rope_", "silu_and_mul")
+OPERATORS = ("paged_decode_attention", "int8_linear", "rms_norm", "rope_", "silu_and_mul", "kv_write_")
 
 
 def cpu_description() -> str:

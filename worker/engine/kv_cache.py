@@ -20,9 +20,15 @@ class KVCache:
     positions contribute exactly nothing (garbage NaNs would survive a zero attention weight).
 
     ``scratch_block``: one block more than the pool, never allocated to a request: padded rows of a static-shape
-    step (``cuda_graphs.py``) write their K/V there (``scratch_slot``)."""
+    step (``cuda_graphs.py``) write their K/V there (``scratch_slot``).
 
-    def __init__(self, shape: ModelShape, plan: EnginePlan, scratch_block: bool = False) -> None:
+    ``fused_write``: store a layer's K/V with tokenspool's C++ ``kv_write_`` (loaded; one call, not two
+    ``index_copy_``), for callers whose K/V rows hold each token's ``[kv_heads, head_dim]`` contiguous (the own
+    decoder's views into its fused QKV output)."""
+
+    def __init__(self, shape: ModelShape, plan: EnginePlan, scratch_block: bool = False,
+                 fused_write: bool = False) -> None:
+        self.fused_write = fused_write
         self.block_size = plan.block_size
         self.num_blocks = plan.num_kv_blocks + int(scratch_block)
         self.num_kv_heads = shape.num_kv_heads
@@ -42,6 +48,9 @@ class KVCache:
         k_flat, v_flat = self._flat_keys[layer], self._flat_values[layer]
         if key.dtype != k_flat.dtype:  # a no-op .to() still costs a dispatch, 60 times a step
             key, value = key.to(k_flat.dtype), value.to(v_flat.dtype)
+        if self.fused_write:
+            torch.ops.tokenspool.kv_write_(k_flat, v_flat, slot_mapping, key, value)
+            return
         k_flat.index_copy_(0, slot_mapping, key)
         v_flat.index_copy_(0, slot_mapping, value)
 

@@ -132,7 +132,8 @@ class ModelRunner:
         self.attention_backend = settle_kernel(config, pick_attention_backend(config, device,
                                                                               self.compute.own_decoder))
         self.cuda_graphs = pick_cuda_graphs(config, device, self.attention_backend, self.compute.own_decoder)
-        self.kv_cache = KVCache(self.shape, self.plan, scratch_block=self.cuda_graphs != "off")
+        self.kv_cache = KVCache(self.shape, self.plan, scratch_block=self.cuda_graphs != "off",
+                                fused_write=self.decoder is not None and self.decoder.fused)
         self.cascade_attention = config.cascade_attention
         self.flex: FlexStep | None = None  # the flex backend's kernel, with no calls: each step adds its own
         if self.attention_backend == "flex":
