@@ -111,9 +111,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if stuck := await stop_tasks(tasks, TASK_STOP_S):
-            log.warning("background tasks %s did not stop within %s s; leaving them",
-                        sorted(t.get_name() for t in stuck), TASK_STOP_S)
+        await stop_tasks(tasks, TASK_STOP_S)
         await queue.live_channels.aclose()
         await client.aclose()
 

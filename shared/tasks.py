@@ -21,7 +21,8 @@ RECANCEL_INTERVAL_S = 0.05
 
 async def stop_tasks(tasks: Collection[asyncio.Task[Any]], timeout_s: float) -> set[asyncio.Task[Any]]:
     """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end, cancelling again the ones still running;
-    returns those that did not end. An exception a task ended with (other than its cancellation) is logged."""
+    returns those that did not end (logged, with their stacks). An exception a task ended with (other than its
+    cancellation) is logged too."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     pending = {task for task in tasks if not task.done()}
@@ -35,4 +36,7 @@ async def stop_tasks(tasks: Collection[asyncio.Task[Any]], timeout_s: float) -> 
     for task in tasks:
         if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
             log.warning("task %s ended with an error while stopping", task.get_name(), exc_info=exc)
+    if pending:
+        log.warning("tasks %s did not stop within %s s; leaving them", sorted(t.get_name() for t in pending),
+                    timeout_s, extra={"stacks": [repr(t.get_stack()) for t in pending]})
     return pending

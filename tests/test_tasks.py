@@ -38,14 +38,17 @@ async def test_a_task_that_loses_its_cancellation_is_stopped() -> None:
     assert once.cancelled() and lossy.cancelled()
 
 
-async def test_a_task_that_refuses_to_stop_is_returned_after_the_timeout() -> None:
+async def test_a_task_that_refuses_to_stop_is_returned_and_logged_after_the_timeout(
+        caplog: pytest.LogCaptureFixture) -> None:
     refuse = asyncio.Event()
     refuse.set()
-    stubborn = asyncio.create_task(_loses_first_cancellations(0, refuse))
+    stubborn = asyncio.create_task(_loses_first_cancellations(0, refuse), name="stubborn-loop")
     quick = asyncio.create_task(asyncio.sleep(10))
     await asyncio.sleep(0.02)  # both running (a task cancelled before its first step never runs)
     started = asyncio.get_running_loop().time()
-    assert await stop_tasks([stubborn, quick], timeout_s=0.3) == {stubborn}
+    with caplog.at_level(logging.WARNING, logger="shared.tasks"):
+        assert await stop_tasks([stubborn, quick], timeout_s=0.3) == {stubborn}
+    assert "stubborn-loop" in caplog.text and "did not stop" in caplog.text
     assert 0.3 <= asyncio.get_running_loop().time() - started < 1.0
     assert quick.cancelled() and not stubborn.done()
     refuse.clear()

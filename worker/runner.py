@@ -195,10 +195,7 @@ class Runner:
         Redis gets one lease TTL to answer: after that the leases expire and reapers recover the jobs anyway,
         so waiting longer would only delay the exit.
         """
-        if stuck := await stop_tasks(tasks, TASK_STOP_S):
-            log.warning("background tasks %s did not stop within %s s; leaving them",
-                        sorted(t.get_name() for t in stuck), TASK_STOP_S,
-                        extra={"stacks": [repr(t.get_stack()) for t in stuck]})
+        await stop_tasks(tasks, TASK_STOP_S)
         patience = self._ctx.settings.lease_ttl_s
         try:
             for job in self._active.values():

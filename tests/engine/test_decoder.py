@@ -48,12 +48,14 @@ def decoder_logits(decoder: Decoder, runner: ModelRunner, sequences: list[list[i
 def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = None, kernels: bool = False
             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(decoder logits, transformers logits) per sequence, both from weights loaded in float32 and run in ``dtype``;
-    ``kernels``: with tokenspool's C++ operators (fused norms, RoPE, SiLU-and-multiply; a q8_0 head)."""
+    ``kernels``: with tokenspool's C++ operators (fused norms, RoPE, SiLU-and-multiply, the K/V write; a q8_0
+    head)."""
     source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     decoder = Decoder(source, dtype, quantization, kernels=kernels)
     # The runner only lays out the steps and holds the KV cache, in ``dtype``; ``decoder`` computes them.
     runner = ModelRunner(EngineConfig(model=str(model_path), dtype=str(dtype).removeprefix("torch."),
                                       block_size=BLOCK, num_kv_blocks=16, device="cpu"), model_path)
+    runner.kv_cache.fused_write = kernels  # as the runner sets it for a decoder on the operators (kv_write_)
     sequences = [[5, 17, 99, 3, 42, 8, 250, 13, 77, 64, 1000, 2, 31], [7, 300, 11, 12, 500, 6, 9, 21, 4]]
     prefill = 6
     got = decoder_logits(decoder, runner, sequences, prefill)
