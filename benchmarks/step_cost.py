@@ -102,16 +102,22 @@ def main() -> int:
     parser.add_argument("--label", default="", help="a prefix for the system names in the output")
     parser.add_argument("--steps", type=int, default=0, help="measure N interleaved decode steps instead")
     parser.add_argument("--batches", default="1,32", help="running requests for --steps, comma-separated")
+    parser.add_argument("--avx2", action="store_true", help="an AVX2-only CPU's kernels (benchmarks/avx2.py)")
     args = parser.parse_args()
     sys.path.insert(0, str(args.checkout.resolve()))
     sys.path.insert(1, str(HERE))
     from machine import read_cpu_info  # noqa: E402  # after the path is set
     from offline_throughput import make_workload  # noqa: E402
 
+    if args.avx2:
+        from avx2 import emulate_avx2  # noqa: E402
+
+        emulate_avx2()
+
     from worker.engine import Engine, EngineConfig, SamplingParams
     from worker.models import resolve_model
 
-    cpu = read_cpu_info().describe()  # model name and the flags that pick the kernels
+    cpu = read_cpu_info().describe() + (" (AVX2 kernels: benchmarks/avx2.py)" if args.avx2 else "")
     path = str(resolve_model("smollm2"))
     reqs = make_workload("mixed", 49152)[:32]
     engines = {name: Engine(EngineConfig(model=path, num_threads=args.threads, max_num_seqs=32, num_kv_blocks=1100,

@@ -1,8 +1,9 @@
 """The C++ operators, built on this machine as the engine builds them. Decode attention (``csrc/paged_decode.cpp``):
 against float64 attention over the gathered keys, on scattered blocks, every head layout and dtype it serves, and
-in the engine against ``generate``. The Q8_0 matmul (``csrc/int8_linear.cpp``): against float64 on every row count
-and group layout. The decoder's fused steps (``csrc/fused.cpp``): against the torch forms they replace. And the
-engine's fallback where they cannot be built."""
+in the engine against ``generate``. The Q8_0 and Q4_1 matmuls (``csrc/int8_linear.cpp``,
+``csrc/int4_linear.cpp``): against float64 on every row count and group layout. The decoder's fused steps
+(``csrc/fused.cpp``): against the torch forms they replace. And the engine's fallback where they cannot be
+built."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.engine.test_engine_parity import check_parity
 from worker.engine import Engine, EngineConfig
 from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
 from worker.engine.decoder import rms_norm, rope, silu_and_mul
+from worker.engine.linear import pack_q4_1
 
 BLOCK = 16
 
@@ -132,6 +134,60 @@ def test_int8_linear_rejects_what_it_cannot_read() -> None:
         op(torch.zeros(1, 64), codes, torch.ones(4, 3, dtype=torch.half))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op(torch.zeros(1, 64, dtype=torch.float16), codes, scales)
+
+
+def q4_1_case(seed: int, out_features: int, groups: int) -> tuple[torch.Tensor, ...]:
+    """Random Q4_1 blocks: codes [N, K] in 0..15, packed [N, K/2] uint8 (``pack_q4_1``), float16 scales and
+    minimums [N, K/32], and the weights they stand for [N, K] in float64."""
+    generator = torch.Generator().manual_seed(seed)
+    cols = 32 * groups
+    codes = torch.randint(0, 16, (out_features, cols), dtype=torch.int32, generator=generator)
+    scales = (torch.rand(out_features, groups, generator=generator) * 0.01).half()
+    mins = (-torch.rand(out_features, groups, generator=generator) * 0.08).half()
+    weight = codes.view(out_features, groups, 32).double() * scales.double()[..., None] + mins.double()[..., None]
+    return pack_q4_1(codes), scales, mins, weight.view(out_features, cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "groups"), [(1, 1), (1, 18), (2, 3), (3, 48), (4, 5), (8, 2), (11, 7)])
+def test_int4_linear_matches_float64(dtype: torch.dtype, rows: int, groups: int) -> None:
+    """x @ (scales * codes + mins).T for every pass size (1-8 rows, and 11: two passes), odd and even group counts
+    (one and two rows take the groups in pairs on AVX-512), a strided x; float32 accumulation, returned in x's
+    dtype (float32: to float32 rounding)."""
+    packed, scales, mins, weight = q4_1_case(rows * 100 + groups, 37, groups)  # no work split divides 37
+    generator = torch.Generator().manual_seed(groups)
+    x = torch.randn(rows, 2 * weight.shape[1], generator=generator).to(dtype)[:, ::2]
+    expected = x.double() @ weight.T
+    out = torch.ops.tokenspool.int4_linear(x, packed, scales, mins)
+    assert out.dtype == dtype and out.shape == (rows, 37)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert float((out.double() - expected).abs().max() / expected.abs().max()) < tolerance
+
+
+def test_int4_linear_covers_every_block_of_columns() -> None:
+    """Enough output columns for several blocks of widened scales per thread, and a last block cut short."""
+    packed, scales, mins, weight = q4_1_case(7, 16 * 9 + 5, 3)
+    x = torch.randn(2, weight.shape[1])
+    expected = x.double() @ weight.T
+    out = torch.ops.tokenspool.int4_linear(x, packed, scales, mins)
+    assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_int4_linear_rejects_what_it_cannot_read() -> None:
+    op = torch.ops.tokenspool.int4_linear
+    codes, scales = torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2, dtype=torch.half)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.zeros(1, 48), torch.zeros(4, 24, dtype=torch.uint8), scales[:, :1], scales[:, :1])
+    with pytest.raises(RuntimeError, match="codes"):
+        op(torch.zeros(1, 64), codes.to(torch.int8), scales, scales)
+    with pytest.raises(RuntimeError, match="codes"):
+        op(torch.zeros(1, 64), torch.zeros(4, 64, dtype=torch.uint8), scales, scales)
+    with pytest.raises(RuntimeError, match="scales, mins"):
+        op(torch.zeros(1, 64), codes, scales, scales.float())
+    with pytest.raises(RuntimeError, match="scales, mins"):
+        op(torch.zeros(1, 64), codes, torch.ones(4, 3, dtype=torch.half), scales)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(torch.zeros(1, 64, dtype=torch.float16), codes, scales, scales)
 
 
 # One rounding to the compute dtype against the torch forms' two or three: a bf16/float16 ulp apart at most,
@@ -270,7 +326,7 @@ from worker.engine.decode_kernel import CFLAGS, SOURCES
 load(name="tokenspool_kernels_avx2_test", sources=[str(path) for path in SOURCES],
      extra_cflags=[*CFLAGS, "-mno-avx512f"], extra_ldflags=["-fopenmp"], is_python_module=False)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
-                      sys.argv[1], "-k", "operator_matches or int8_linear or fused_steps or kv_write"]))
+                      sys.argv[1], "-k", "operator_matches or int8_linear or int4_linear or fused_steps or kv_write"]))
 """
 
 

@@ -14,12 +14,13 @@ from worker.engine.config import (
     ComputePlan,
     bf16_matmul_speedup,
     cpu_flags,
+    own_int4_kernel,
     pick_dtype,
     plan_compute,
 )
 from worker.engine.decoder import Decoder
 from worker.engine.linear import half_packs
-from worker.engine.model_runner import load_model
+from worker.engine.model_runner import load_model, operators_loaded
 
 CPU = torch.device("cpu")
 
@@ -97,6 +98,27 @@ def test_float32_plans_on_avx2_keep_int4_for_two_rows(config: EngineConfig, dtyp
     assert plan_compute(config, CPU, dtype, None, True, flags=AVX2) == expected
 
 
+@needs_fbgemm
+@pytest.mark.parametrize(("config", "dtype", "flags", "expected"), [
+    # where torch's int4 kernel is its AVX2 one, int4 runs on tokenspool's operator, float32 through 4 rows
+    (EngineConfig(quantization="auto"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 4)),
+    (EngineConfig(quantization="int4"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 4)),
+    (EngineConfig(dtype="bfloat16", quantization="auto"), BF16, AVX2 | {"f16c"}, ComputePlan(BF16, "q4_1", True, 8)),
+    # with AVX-512 torch's kernel stays; other quantisations never change
+    (EngineConfig(quantization="auto"), F32, AVX512 | {"fma", "f16c"}, ComputePlan(F32, "int4", True, 16)),
+    (EngineConfig(quantization="auto"), BF16, AVX512 | {"fma", "f16c"}, ComputePlan(BF16, "int4", True, 8)),
+    (EngineConfig(quantization="int8"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "int8", True, 2)),
+    (EngineConfig(quantization="fp16"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "fp16", True, 2)),
+    # no F16C (the operator widens float16 scales with it): torch's kernel
+    (EngineConfig(quantization="auto"), F32, AVX2, ComputePlan(F32, "int4", True, 2)),
+])
+def test_int4_takes_the_own_operator_where_torchs_kernel_is_avx2(config: EngineConfig, dtype: torch.dtype,
+                                                                 flags: frozenset[str], expected: ComputePlan) -> None:
+    assert plan_compute(config, CPU, dtype, None, True, flags=flags, kernels=True) == expected
+    if expected.quantization == "q4_1":  # without the operators: torch's kernel and its limits
+        assert plan_compute(config, CPU, dtype, None, True, flags=flags).quantization == "int4"
+
+
 def test_fp16_needs_float32_on_a_cpu() -> None:
     with pytest.raises(ValueError, match="quantization 'fp16' needs"):
         plan_compute(EngineConfig(quantization="fp16"), CPU, BF16, None, True, flags=AVX2)
@@ -132,12 +154,13 @@ def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int
     dtype = pick_dtype(config, CPU, frozenset({"avx2", "fma"}))
     model, decoder, compute = load_model(config, snapped_llama, CPU, dtype)
     half = half_packs(CPU)
-    assert compute.dtype == torch.float32 and compute.quantization == "int4" and compute.own_decoder
+    int4 = "q4_1" if own_int4_kernel(cpu_flags(), operators_loaded(CPU)) else "int4"  # this CPU's int4 kernel
+    assert compute.dtype == torch.float32 and compute.quantization == int4 and compute.own_decoder
     assert isinstance(decoder, Decoder) and decoder is model and decoder.embed.dtype == torch.float32
     qkv = decoder.layers[0].qkv
-    assert qkv.quantization == "int4" and qkv.max_rows == compute.quantized_max_rows
+    assert qkv.quantization == int4 and qkv.max_rows == compute.quantized_max_rows
     assert qkv.layout() == ("half" if half else "plain") and qkv.dense_weight().dtype == torch.float32
-    assert qkv.scales.dtype == torch.bfloat16
+    assert qkv.scales.dtype == (torch.float16 if int4 == "q4_1" else torch.bfloat16)
 
 
 def test_this_machine_reports_its_flags() -> None:

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.engine.helpers import needs_fbgemm
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.attention import PagedContext
+from worker.engine.config import cpu_flags, own_int4_kernel
 from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.decoder import Decoder
 from worker.engine.linear import (
@@ -21,6 +22,7 @@ from worker.engine.linear import (
     PackedLinear,
     dense_linear,
     lies_on_int4_grid,
+    pack_q4_1,
     prepack,
     prepacks,
     quantize_int4,
@@ -58,10 +60,33 @@ def test_int4_finds_the_q4_1_blocks_of_smollm2_again(smollm2: Path) -> None:
     assert float((packed.dense_weight().float() - tensors[0]).abs().max() / tensors[0].abs().max()) < 2 ** -7
 
 
+def test_q4_1_keeps_the_float16_scales_of_smollm2s_blocks(smollm2: Path) -> None:
+    """q4_1 packs the same codes two a byte in Q4_1's order and keeps each block's scale and minimum in float16,
+    as the file does: de-quantised again they give SmolLM2's weights to float32 rounding, where int4's bf16
+    scales are off by up to bf16 rounding."""
+    load_decode_kernel()
+    with safe_open(str(smollm2 / "model.safetensors"), "pt") as weights:
+        weight = weights.get_tensor("model.layers.3.mlp.gate_proj.weight").float()
+    codes, _, _ = quantize_int4(weight)
+    linear = PackedLinear(weight, None, torch.bfloat16, "q4_1")
+    assert linear.codes.dtype == torch.uint8 and linear.codes.shape == (weight.shape[0], weight.shape[1] // 2)
+    assert torch.equal(linear.codes, pack_q4_1(codes))
+    assert torch.equal(linear.codes[:, :16] & 15, codes[:, :16].to(torch.uint8))  # byte j: code j and j + 16
+    assert torch.equal(linear.codes[:, :16] >> 4, codes[:, 16:32].to(torch.uint8))
+    again = (codes.view(weight.shape[0], -1, 32).float() * linear.scales.float()[..., None]
+             + linear.mins.float()[..., None]).view_as(weight)
+    assert float((again - weight).abs().max() / weight.abs().max()) < 1e-6
+
+
 @pytest.fixture(scope="module")
 def operators() -> None:
     problem = load_decode_kernel()
     assert problem is None, f"the C++ operators must build where the tests run (make setup builds them): {problem}"
+
+
+def this_cpus_int4() -> str:
+    """What int4 layers run as on this CPU with the operators built: ``"q4_1"`` where torch's kernel is AVX2's."""
+    return "q4_1" if own_int4_kernel(cpu_flags(), load_decode_kernel() is None) else "int4"
 
 
 def test_q8_0_finds_the_q8_0_blocks_of_smollm2_again(smollm2: Path, operators: None) -> None:
@@ -77,10 +102,10 @@ def test_q8_0_finds_the_q8_0_blocks_of_smollm2_again(smollm2: Path, operators: N
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("quantization", ["int8", "int4", "q8_0"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "q4_1", "q8_0"])
 def test_quantized_kernel_and_dense_form_agree(quantization: str, dtype: torch.dtype, operators: None) -> None:
-    """Few rows go to the weight-only kernel (torch's as bf16 whatever the compute dtype; tokenspool's q8_0 one in
-    it), many to the dense de-quantised copy in the compute dtype: the same function, returned in the compute
+    """Few rows go to the weight-only kernel (torch's as bf16 whatever the compute dtype; tokenspool's q4_1 and q8_0
+    ones in it), many to the dense de-quantised copy in the compute dtype: the same function, returned in the compute
     dtype."""
     torch.manual_seed(0)
     linear = PackedLinear(torch.randn(96, 128) * 0.05, torch.randn(96) * 0.1, dtype, quantization)
@@ -207,12 +232,13 @@ def teacher_forced_decode(decoder: Decoder, runner: ModelRunner, ids: list[int])
 
 # (compute dtype, quantisation, forward): "prefill" scores all positions as one chunk (the dense weights),
 # "decode" one position per step (the weight-only kernels); measured numbers in the test's docstring.
-# int4 cases run as the engine does where tokenspool's operators are built (the LM head in q8_0, the fused small
-# steps); "int4 torch-head" without them.
+# int4 and q4_1 cases run as the engine does where tokenspool's operators are built (the LM head in q8_0, the fused
+# small steps); "int4 torch-head" without them.
 QUALITY_CASES = [(torch.bfloat16, None, "prefill"), (torch.bfloat16, "int8", "prefill"),
                  (torch.bfloat16, "int4", "prefill"), (torch.bfloat16, "int4", "decode"),
                  (torch.bfloat16, "int4 torch-head", "decode"),
                  (torch.float32, "int4", "prefill"), (torch.float32, "int4", "decode"),
+                 (torch.bfloat16, "q4_1", "decode"), (torch.float32, "q4_1", "decode"),
                  (torch.float32, "fp16", "prefill"), (torch.float32, "fp16", "decode")]
 
 
@@ -241,7 +267,7 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
     total = sum(len(ids) - 1 for ids in texts)
     for dtype, case_name, forward in QUALITY_CASES:
         quantization = case_name.split()[0] if case_name else None
-        decoder = Decoder(source, dtype, quantization, kernels=case_name == "int4")
+        decoder = Decoder(source, dtype, quantization, kernels=case_name in ("int4", "q4_1"))
         score = teacher_forced if forward == "prefill" else teacher_forced_decode
         agree, nll = 0, 0.0
         for ids, reference in zip(texts, references, strict=True):
@@ -263,7 +289,9 @@ def test_engine_serves_quantized_weights(tiny_llama: Path, quantization: str, dt
     assert engine.runner.plan.dtype == engine.runner.compute.dtype == getattr(torch, dtype)
     assert engine.runner.compute.own_decoder and engine.runner.decoder is engine.runner.model
     assert engine.runner.decoder.lm_head.quantization == "q8_0"
-    assert any(isinstance(m, PackedLinear) and m.quantization == quantization for m in engine.runner.model.modules())
+    served = this_cpus_int4() if quantization == "int4" else quantization
+    assert engine.runner.compute.quantization == served
+    assert any(isinstance(m, PackedLinear) and m.quantization == served for m in engine.runner.model.modules())
     outs = engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [6, 6]
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
@@ -281,8 +309,9 @@ def test_auto_quantization_takes_int4_only_for_weights_on_the_q4_1_grid(tiny_lla
     """Whatever dtype this CPU picks when none is set (float32 or bfloat16), ``auto`` serves on-grid weights as
     int4 on the own decoder; only an explicit float32 keeps transformers' reference forward."""
     snapped = snapped_llama
-    cases = [(tiny_llama, "bfloat16", None), (snapped, "bfloat16", "int4"), (snapped, "float32", "reference"),
-             (snapped, None, "int4"), (tiny_llama, None, None)]
+    int4 = this_cpus_int4()
+    cases = [(tiny_llama, "bfloat16", None), (snapped, "bfloat16", int4), (snapped, "float32", "reference"),
+             (snapped, None, int4), (tiny_llama, None, None)]
     for folder, dtype, expected in cases:
         engine = Engine(EngineConfig(model=str(folder), dtype=dtype, quantization="auto", num_kv_blocks=32))
         decoder = engine.runner.decoder

@@ -46,6 +46,15 @@ QUANTIZED_MAX_ROWS_HALF_AVX2, QUANTIZED_MAX_ROWS_HALF_AVX512 = 2, 16
 # The flags torch's AVX-512 kernels need (ATen's CPU capability "AVX512"); without them its int4 kernel is the
 # AVX2 one, several times slower.
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+# There, with AVX2, int4 layers take tokenspool's own operator (linear.py's "q4_1": float32 activations, GGUF's
+# Q4_1 blocks): a step's 120 projections 5.6-6.2 against torch's 8.6-8.9 ms at one row, 10.2 against 13.2-14.3 at 4,
+# 23-24 against 27 at 8 (AMD EPYC Zen 4 with both built for AVX2: -mno-avx512f, ATEN_CPU_CAPABILITY=avx2). With
+# AVX-512 torch's kernel is as fast at one row and 10-20% faster from 2, so it stays.
+OWN_INT4_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+# Beside float16 weights the operator serves up to 4 rows on AVX2 CPUs: an estimate, from the AVX2 EPYC's (Zen 2)
+# torch-int4-against-float16 times at 4 and 8 rows (17.8 / 16.1, 32.0 / 25.2 ms) scaled by the operator's speedup
+# over torch's AVX2 kernel (0.72-0.77 at 4 rows, 0.87-0.9 at 8), not measured on an AVX2-only CPU.
+QUANTIZED_MAX_ROWS_HALF_Q4_1 = 4
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -168,7 +177,7 @@ class ComputePlan:
     """How a forward pass computes: derived from the config, the CPU and the model's weights (``plan_compute``)."""
 
     dtype: torch.dtype  # activations, dense weights and the KV cache
-    quantization: str | None  # "int8"/"int4": weight-only kernels for calls of a few rows (``linear.py``)
+    quantization: str | None  # "int8"/"int4"/"q4_1": weight-only kernels for calls of a few rows (``linear.py``)
     own_decoder: bool  # the engine's fused decoder (``decoder.py``); False: transformers' own forward
     quantized_max_rows: int = QUANTIZED_MAX_ROWS_BF16  # calls of up to this many rows take the weight-only kernels
 
@@ -263,18 +272,28 @@ def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str]
     return torch.bfloat16 if fast_bf16_cpu(cpu_flags() if flags is None else flags, measure) else torch.float32
 
 
-def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str], half: bool) -> int:
+def own_int4_kernel(flags: frozenset[str], kernels: bool) -> bool:
+    """Whether int4 layers take tokenspool's operator (``"q4_1"``) over torch's kernel on a CPU with ``flags``:
+    where the operators are loaded (``kernels``) and the CPU has AVX2 but not torch's AVX-512 set."""
+    return kernels and flags >= OWN_INT4_CPU_FLAGS and not flags >= AVX512_CPU_FLAGS
+
+
+def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str], half: bool, quantization: str | None = None
+                       ) -> int:
     """Rows up to which weight-only kernels beat the dense ``dtype`` matmul on a CPU with ``flags``; ``half``: the
-    dense weights of a float32 layer are float16 (fbgemm)."""
+    dense weights of a float32 layer are float16 (fbgemm); ``quantization``: the layers' (``"q4_1"``: the own
+    operator)."""
     if dtype == torch.float32:
         if not half:
             return QUANTIZED_MAX_ROWS_FLOAT32
+        if quantization == "q4_1":
+            return QUANTIZED_MAX_ROWS_HALF_Q4_1
         return QUANTIZED_MAX_ROWS_HALF_AVX512 if flags >= AVX512_CPU_FLAGS else QUANTIZED_MAX_ROWS_HALF_AVX2
     return QUANTIZED_MAX_ROWS_BF16
 
 
 def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype, unsupported: str | None,
-                 on_int4_grid: bool, flags: frozenset[str] | None = None) -> ComputePlan:
+                 on_int4_grid: bool, flags: frozenset[str] | None = None, kernels: bool = False) -> ComputePlan:
     """Which forward runs with which weights, from the config, the picked ``dtype`` and two facts of the model:
     why the own decoder cannot run it (``unsupported``, None: it can) and whether its weights lie on a 4-bit
     grid per 32 columns (``on_int4_grid``: de-quantised from GGUF Q4_1 blocks).
@@ -282,6 +301,8 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     ``"auto"`` takes int4 on a CPU for weights on the grid (the model file's own 4-bit blocks, no extra loss) unless
     float32 was asked for: ``dtype="float32"`` with no quantisation is transformers' exact forward, kept as the
     reference. A float32 run the CPU picked (``dtype`` unset) is not that request and runs the own decoder.
+    int4 runs as ``"q4_1"`` (tokenspool's operator) where ``own_int4_kernel`` says so (``kernels``: the C++
+    operators are loaded).
     """
     flags = cpu_flags() if flags is None else flags
     quantization = None if config.quantization == "none" else config.quantization
@@ -295,9 +316,11 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if quantization == "fp16" and not half:
         raise ValueError(f"EngineConfig.quantization 'fp16' needs dtype float32 on a CPU with fbgemm (x86), got "
                          f"{dtype}")
+    if quantization == "int4" and own_int4_kernel(flags, kernels):
+        quantization = "q4_1"
     exact = config.dtype == "float32" and quantization is None
     return ComputePlan(dtype=dtype, quantization=quantization, own_decoder=unsupported is None and not exact,
-                       quantized_max_rows=quantized_max_rows(dtype, flags, half))
+                       quantized_max_rows=quantized_max_rows(dtype, flags, half, quantization))
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:

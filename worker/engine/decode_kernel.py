@@ -6,6 +6,8 @@
   for every plain decode query of the step: ``(query [B, H, D], key_pool, value_pool [NB, BS, KVH, D],
   block_tables [B, MB] int64, context_lens [B] int64, scale) -> [B, H, D]``.
 - ``int8_linear`` (``int8_linear.cpp``): the LM head in GGUF's Q8_0 blocks for few rows (``linear.py``'s q8_0).
+- ``int4_linear`` (``int4_linear.cpp``): int4 layers in GGUF's Q4_1 blocks for few rows, float32 activations
+  (``linear.py``'s q4_1), where torch's int4 kernel runs its AVX2 code. Both matmuls share ``group_matmul.h``.
 - ``rms_norm``, ``rope_``, ``silu_and_mul`` (``fused.cpp``): the decoder's small per-layer steps, one operator each
   instead of a chain of torch ops (``decoder.py``).
 - ``kv_write_`` (``kv_write.cpp``): a layer's new keys and values stored at their slots in one call, not two
@@ -13,10 +15,10 @@
 
 They are compiled with the machine's own instruction set (``-march=native``), by torch's extension builder (g++
 and ninja), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under
-a name that carries this CPU's flags, the torch version and the sources, so a cache shared between machines never
-serves a binary built for another CPU. ~30 s the first time on 2 cores (``make setup`` builds them ahead:
-``decode_kernel.main``), then a load. Where they cannot be built (no compiler) the engine keeps torch's ops and
-says why.
+a name that carries this CPU's flags, the torch version and the sources' text, so a cache shared between machines
+or checkouts never serves a binary built for another CPU or from other sources. ~30 s the first time on 2 cores
+(``make setup`` builds them ahead: ``decode_kernel.main``), then a load. Where they cannot be built (no compiler)
+the engine keeps torch's ops and says why.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "int8_linear.cpp",
-                                                                      "fused.cpp", "kv_write.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in (
+    "paged_decode.cpp", "int8_linear.cpp", "int4_linear.cpp", "fused.cpp", "kv_write.cpp"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("group_matmul.h", "fast_exp.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
 
 
-OPERATORS = ("paged_decode_attention", "int8_linear", "rms_norm", "rope_", "silu_and_mul", "kv_write_")
+OPERATORS = ("paged_decode_attention", "int8_linear", "int4_linear", "rms_norm", "rope_", "silu_and_mul", "kv_write_")
 
 
 def cpu_description() -> str:
@@ -47,8 +50,9 @@ def cpu_description() -> str:
 
 
 def kernel_name(cpu: str, torch_version: str = torch.__version__) -> str:
-    """The extension's name for ``cpu`` (``cpu_description``), the torch version and the flags, hashed."""
-    sources = " ".join(path.name for path in SOURCES)
+    """The extension's name for ``cpu`` (``cpu_description``), the torch version, the flags and the sources' text,
+    hashed."""
+    sources = "".join(path.read_text() for path in (*SOURCES, *HEADERS))  # any change: a new name
     digest = hashlib.sha256(f"{cpu}|{torch_version}|{' '.join(CFLAGS)}|{sources}".encode()).hexdigest()[:12]
     return f"tokenspool_kernels_{digest}"
 

@@ -78,10 +78,11 @@ def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: 
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() via a decorator
     reason = unsupported_reason(model)
     on_grid = config.quantization == "auto" and reason is None and weights_on_int4_grid(model)
-    compute = plan_compute(config, device, dtype, reason, on_grid)
+    kernels = reason is None and operators_loaded(device)
+    compute = plan_compute(config, device, dtype, reason, on_grid, kernels=kernels)
     if not compute.own_decoder:
         return model.to(dtype), None, compute
-    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows, kernels=operators_loaded(device))
+    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows, kernels=kernels)
     return decoder, decoder, compute
 
 

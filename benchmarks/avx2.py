@@ -1,0 +1,56 @@
+"""An AVX2-only CPU's kernels on an AVX-512 one: side-by-sides for the CPUs a session did not draw.
+
+    .venv/bin/python benchmarks/llama_cpp.py --avx2 \
+        --llama-server ~/.cache/tokenspool/llama.cpp/build-avx2/bin/llama-server   # LLAMA_CPP_ISA=avx2 build
+    .venv/bin/python benchmarks/step_cost.py --avx2 --steps 40
+    .venv/bin/python benchmarks/projection_rows.py --avx2
+
+What runs as on an AVX2-only CPU:
+- torch's own kernels, MKL's and oneDNN's: ``ENVIRONMENT`` (each library reads it once, when it starts, so the
+  benchmark starts itself again with it: ``restart_with_avx2_libraries``);
+- tokenspool's C++ operators: built with ``-mno-avx512f`` under a name of their own and loaded before the engine,
+  which then finds them loaded;
+- the engine's CPU rules (dtype, which int4 kernel, row limits): ``config.cpu_flags`` reads this CPU's flags without
+  AVX-512 and AMX, in this process only.
+Not emulated: fbgemm's float16 matmuls (the dense path of float32 layers from 5 rows, and prefill) pick AVX-512
+themselves; clocks, caches and memory are this CPU's. So the numbers say what the AVX2 code paths do on this
+silicon, not what an older AVX2-only CPU measures.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+AVX2_EXTENSION = "tokenspool_kernels_avx2_bench"
+ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def restart_with_avx2_libraries() -> None:
+    """This process again, from the start, with ``ENVIRONMENT`` set; returns where it is set already."""
+    if all(os.environ.get(key) == value for key, value in ENVIRONMENT.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | ENVIRONMENT)
+
+
+def load_avx2_operators() -> None:
+    """tokenspool's operators built without AVX-512 (into ``TORCH_EXTENSIONS_DIR``) and registered in torch."""
+    from torch.utils.cpp_extension import load
+
+    from worker.engine.decode_kernel import CFLAGS, SOURCES
+
+    load(name=AVX2_EXTENSION, sources=[str(p) for p in SOURCES], extra_cflags=[*CFLAGS, "-mno-avx512f"],
+         extra_ldflags=["-fopenmp"], is_python_module=False)
+
+
+def emulate_avx2() -> None:
+    """Everything above, in this process (started again first where the libraries' environment is missing)."""
+    restart_with_avx2_libraries()
+    import torch
+
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
+    load_avx2_operators()
+    from worker.engine import config
+
+    flags = config.cpu_flags()
+    config.cpu_flags = lambda: frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
