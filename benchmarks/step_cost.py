@@ -19,6 +19,7 @@ option.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +40,7 @@ SYSTEMS = {
     "decoder": {"quantization": "none"},  # the own decoder with the weights in the picked dtype, unquantised
     "sdpa": {"quantization": "auto", "attention_backend": "sdpa"},  # the default, decode K/V gathered for SDPA
     "torch_ops": {"quantization": "auto"},  # the default with the decoder's small steps as torch ops (see below)
+    "torch_int4": {"quantization": "auto"},  # the default with torch's int4 kernel wherever int4 runs (see below)
 }
 # Systems that differ from their config after the engine is built: ``torch_ops`` runs the norms, RoPE,
 # SiLU-and-multiply and the K/V writes as torch ops instead of tokenspool's C++ operators (what a worker without a
@@ -51,6 +53,23 @@ def _torch_ops(engine) -> None:
 
 
 ADJUST = {"torch_ops": _torch_ops}
+
+
+@contextlib.contextmanager
+def _torch_int4():
+    """While the engine is built: int4 layers on torch's kernel, where the plan would pick tokenspool's (AVX2)."""
+    from worker.engine import config
+
+    own = config.own_int4_kernel
+    config.own_int4_kernel = lambda flags, kernels: False
+    try:
+        yield
+    finally:
+        config.own_int4_kernel = own
+
+
+# ``torch_int4`` is built with tokenspool's int4 operator ruled out (``config.own_int4_kernel``), to measure it.
+BUILD = {"torch_int4": _torch_int4}
 
 
 def one_stream(engine, sampling_params) -> float:
@@ -120,9 +139,11 @@ def main() -> int:
     cpu = read_cpu_info().describe() + (" (AVX2 kernels: benchmarks/avx2.py)" if args.avx2 else "")
     path = str(resolve_model("smollm2"))
     reqs = make_workload("mixed", 49152)[:32]
-    engines = {name: Engine(EngineConfig(model=path, num_threads=args.threads, max_num_seqs=32, num_kv_blocks=1100,
-                                         **SYSTEMS[name]))
-               for name in args.systems.split(",")}
+    engines = {}
+    for name in args.systems.split(","):
+        with BUILD.get(name, contextlib.nullcontext)():
+            engines[name] = Engine(EngineConfig(model=path, num_threads=args.threads, max_num_seqs=32,
+                                                num_kv_blocks=1100, **SYSTEMS[name]))
     for name, engine in engines.items():
         ADJUST.get(name, lambda _: None)(engine)
     for engine in engines.values():  # warm-up: first-call allocations and kernel selection
