@@ -27,7 +27,7 @@ comes back exactly; at one row it reads SmolLM2's head in less than half the tim
 ``"q4_1"`` is int4 in GGUF's own Q4_1 blocks (``pack_q4_1``: two codes a byte, float16 scales and minimums), for
 ``tokenspool::int4_linear`` (``csrc/int4_linear.cpp``): float32 activations (bf16 ones are widened), the file's
 float16 scales as they are, float32 accumulation. Where torch's int4 kernel runs its AVX2 code (CPUs without
-AVX-512) this one is 1.3-1.5x faster at 1-8 rows, and it computes the file's weights exactly
+AVX-512) this one is 1.3-1.5x faster at 1-4 rows (1.1x at 8), and it computes with the file's weights exactly
 (``config.own_int4_kernel`` picks it).
 
 ``"fp16"`` keeps float32 activations and accumulation but stores the weight as float16, in fbgemm's packed layout
