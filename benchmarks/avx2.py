@@ -8,8 +8,8 @@
 What runs as on an AVX2-only CPU:
 - torch's own kernels, MKL's and oneDNN's: ``ENVIRONMENT`` (each library reads it once, when it starts, so the
   benchmark starts itself again with it: ``restart_with_avx2_libraries``);
-- tokenspool's C++ operators: built with ``-mno-avx512f`` under a name of their own and loaded before the engine,
-  which then finds them loaded;
+- tokenspool's C++ operators: built without AVX-512 (``decode_kernel.WITHOUT_AVX512``) under a name of their own
+  and loaded before the engine, which then finds them loaded;
 - the engine's CPU rules (dtype, which int4 kernel, row limits): ``config.cpu_flags`` reads this CPU's flags without
   AVX-512 and AMX, in this process only.
 Not emulated: fbgemm's float16 matmuls (the dense path of float32 layers from 5 rows, and prefill) pick AVX-512
@@ -23,6 +23,7 @@ import os
 import sys
 
 AVX2_EXTENSION = "tokenspool_kernels_avx2_bench"
+LABEL = " (AVX2 kernels: benchmarks/avx2.py)"  # after the CPU's description in a report
 ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
@@ -33,24 +34,15 @@ def restart_with_avx2_libraries() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | ENVIRONMENT)
 
 
-def load_avx2_operators() -> None:
-    """tokenspool's operators built without AVX-512 (into ``TORCH_EXTENSIONS_DIR``) and registered in torch."""
-    from torch.utils.cpp_extension import load
-
-    from worker.engine.decode_kernel import CFLAGS, SOURCES
-
-    load(name=AVX2_EXTENSION, sources=[str(p) for p in SOURCES], extra_cflags=[*CFLAGS, "-mno-avx512f"],
-         extra_ldflags=["-fopenmp"], is_python_module=False)
-
-
 def emulate_avx2() -> None:
     """Everything above, in this process (started again first where the libraries' environment is missing)."""
     restart_with_avx2_libraries()
     import torch
 
     assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
-    load_avx2_operators()
-    from worker.engine import config
+    from worker.engine import config, decode_kernel
+
+    decode_kernel.build(AVX2_EXTENSION, decode_kernel.WITHOUT_AVX512)  # registers the operators the engine calls
 
     flags = config.cpu_flags()
     config.cpu_flags = lambda: frozenset(f for f in flags if not f.startswith(("avx512", "amx")))

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import avx2  # noqa: E402
 from benchmarks.machine import read_cpu_info  # noqa: E402
 from benchmarks.offline_throughput import Req, make_workload  # noqa: E402
 
@@ -229,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.systems = args.systems.split(",")
     if args.avx2:
-        from benchmarks.avx2 import emulate_avx2
-
-        emulate_avx2()
+        avx2.emulate_avx2()
 
     import torch
 
@@ -267,7 +266,7 @@ def build_report(args: argparse.Namespace, samples: list[Sample], vocab: int, dt
 
     summary = summarize(samples)
     return {
-        "machine": {"cpu": read_cpu_info().describe() + (" (AVX2 kernels: benchmarks/avx2.py)" if args.avx2 else ""),
+        "machine": {"cpu": read_cpu_info().describe() + (avx2.LABEL if args.avx2 else ""),
                     "threads": args.threads, "torch": torch.__version__,
                     "llama_cpp": llama_server_version(binary) if binary else "not run",
                     "load_average": os.getloadavg()},

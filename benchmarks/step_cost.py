@@ -129,14 +129,14 @@ def main() -> int:
     from offline_throughput import make_workload  # noqa: E402
 
     if args.avx2:
-        from avx2 import emulate_avx2  # noqa: E402
+        from avx2 import LABEL, emulate_avx2  # noqa: E402
 
         emulate_avx2()
 
     from worker.engine import Engine, EngineConfig, SamplingParams
     from worker.models import resolve_model
 
-    cpu = read_cpu_info().describe() + (" (AVX2 kernels: benchmarks/avx2.py)" if args.avx2 else "")
+    cpu = read_cpu_info().describe() + (LABEL if args.avx2 else "")
     path = str(resolve_model("smollm2"))
     reqs = make_workload("mixed", 49152)[:32]
     engines = {}

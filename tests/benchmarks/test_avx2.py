@@ -23,7 +23,7 @@ emulate_avx2()
 import torch
 from worker.engine import EngineConfig, config, decode_kernel
 plan = config.plan_compute(EngineConfig(quantization="auto"), torch.device("cpu"), torch.float32, None, True,
-                           kernels=decode_kernel.loaded())
+                           kernels=decode_kernel.loaded)
 print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "env": dict(os.environ),
                   "flags": sorted(config.cpu_flags()), "quantization": plan.quantization,
                   "operators": decode_kernel.loaded()}))

@@ -9,10 +9,18 @@ import pytest
 import torch
 
 from worker.engine import Engine, SamplingParams, StepOutput
+from worker.engine.config import cpu_flags, own_int4_kernel
+from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.linear import half_packs
 
 # float16 weights (``--quantization fp16``, float32 layers' dense copies) need fbgemm: torch's x86 builds
 needs_fbgemm = pytest.mark.skipif(not half_packs(torch.device("cpu")), reason="no fbgemm (x86 builds of torch)")
+
+
+def this_cpus_int4() -> str:
+    """What int4 layers run as here with the C++ operators built (loading them): ``"q4_1"`` (tokenspool's operator)
+    where torch's int4 kernel is its AVX2 one, else ``"int4"``."""
+    return "q4_1" if own_int4_kernel(cpu_flags(), load_decode_kernel() is None) else "int4"
 
 
 @dataclass

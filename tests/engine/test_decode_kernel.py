@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tests.engine.helpers import mixed_workload
 from tests.engine.test_engine_parity import check_parity
-from worker.engine import Engine, EngineConfig
+from worker.engine import Engine, EngineConfig, decode_kernel
 from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
 from worker.engine.decoder import rms_norm, rope, silu_and_mul
 from worker.engine.linear import pack_q4_1
@@ -321,10 +321,8 @@ def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> 
 AVX2_BUILD = """
 import sys
 import pytest
-from torch.utils.cpp_extension import load
-from worker.engine.decode_kernel import CFLAGS, SOURCES
-load(name="tokenspool_kernels_avx2_test", sources=[str(path) for path in SOURCES],
-     extra_cflags=[*CFLAGS, "-mno-avx512f"], extra_ldflags=["-fopenmp"], is_python_module=False)
+from worker.engine.decode_kernel import WITHOUT_AVX512, build
+build("tokenspool_kernels_avx2_test", WITHOUT_AVX512)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
                       sys.argv[1], "-k", "operator_matches or int8_linear or int4_linear or fused_steps or kv_write"]))
 """
@@ -350,3 +348,13 @@ def test_the_build_is_named_for_the_cpu_and_torch() -> None:
     assert kernel_name(here) == kernel_name(here)
     assert kernel_name(here) != kernel_name(here.replace("avx2", "")) != kernel_name(here + " amx_tile")
     assert kernel_name(here) != kernel_name(here, torch_version="0.0.0")
+
+
+def test_the_build_is_named_for_its_sources_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache shared between checkouts must not serve a build of other sources: a header's text is in the name."""
+    header = tmp_path / "extra.h"
+    header.write_text("// one\n")
+    monkeypatch.setattr(decode_kernel, "HEADERS", (*decode_kernel.HEADERS, header))
+    before = kernel_name(cpu_description())
+    header.write_text("// two\n")
+    assert kernel_name(cpu_description()) != before

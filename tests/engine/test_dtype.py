@@ -8,19 +8,18 @@ import pytest
 import torch
 
 from tests.conftest import _save_tiny
-from tests.engine.helpers import needs_fbgemm
+from tests.engine.helpers import needs_fbgemm, this_cpus_int4
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.config import (
     ComputePlan,
     bf16_matmul_speedup,
     cpu_flags,
-    own_int4_kernel,
     pick_dtype,
     plan_compute,
 )
 from worker.engine.decoder import Decoder
 from worker.engine.linear import half_packs
-from worker.engine.model_runner import load_model, operators_loaded
+from worker.engine.model_runner import load_model
 
 CPU = torch.device("cpu")
 
@@ -114,9 +113,20 @@ def test_float32_plans_on_avx2_keep_int4_for_two_rows(config: EngineConfig, dtyp
 ])
 def test_int4_takes_the_own_operator_where_torchs_kernel_is_avx2(config: EngineConfig, dtype: torch.dtype,
                                                                  flags: frozenset[str], expected: ComputePlan) -> None:
-    assert plan_compute(config, CPU, dtype, None, True, flags=flags, kernels=True) == expected
+    assert plan_compute(config, CPU, dtype, None, True, flags=flags, kernels=lambda: True) == expected
     if expected.quantization == "q4_1":  # without the operators: torch's kernel and its limits
         assert plan_compute(config, CPU, dtype, None, True, flags=flags).quantization == "int4"
+
+
+def _no_operators_asked() -> bool:
+    raise AssertionError("only an int4 plan asks whether the operators are loaded")
+
+
+@pytest.mark.parametrize("config", [EngineConfig(dtype="float32"), EngineConfig(quantization="none"),
+                                    EngineConfig(quantization="int8")])
+def test_plans_without_int4_never_load_the_operators(config: EngineConfig) -> None:
+    """``kernels`` builds the operators when first asked: transformers' exact float32 forward must not pay for it."""
+    plan_compute(config, CPU, F32, None, True, flags=AVX2 | {"f16c"}, kernels=_no_operators_asked)
 
 
 def test_fp16_needs_float32_on_a_cpu() -> None:
@@ -154,7 +164,7 @@ def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int
     dtype = pick_dtype(config, CPU, frozenset({"avx2", "fma"}))
     model, decoder, compute = load_model(config, snapped_llama, CPU, dtype)
     half = half_packs(CPU)
-    int4 = "q4_1" if own_int4_kernel(cpu_flags(), operators_loaded(CPU)) else "int4"  # this CPU's int4 kernel
+    int4 = this_cpus_int4()
     assert compute.dtype == torch.float32 and compute.quantization == int4 and compute.own_decoder
     assert isinstance(decoder, Decoder) and decoder is model and decoder.embed.dtype == torch.float32
     qkv = decoder.layers[0].qkv

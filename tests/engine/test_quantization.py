@@ -11,10 +11,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.engine.helpers import needs_fbgemm
+from tests.engine.helpers import needs_fbgemm, this_cpus_int4
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.attention import PagedContext
-from worker.engine.config import cpu_flags, own_int4_kernel
 from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.decoder import Decoder
 from worker.engine.linear import (
@@ -82,11 +81,6 @@ def test_q4_1_keeps_the_float16_scales_of_smollm2s_blocks(smollm2: Path) -> None
 def operators() -> None:
     problem = load_decode_kernel()
     assert problem is None, f"the C++ operators must build where the tests run (make setup builds them): {problem}"
-
-
-def this_cpus_int4() -> str:
-    """What int4 layers run as on this CPU with the operators built: ``"q4_1"`` where torch's kernel is AVX2's."""
-    return "q4_1" if own_int4_kernel(cpu_flags(), load_decode_kernel() is None) else "int4"
 
 
 def test_q8_0_finds_the_q8_0_blocks_of_smollm2_again(smollm2: Path, operators: None) -> None:

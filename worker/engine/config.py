@@ -293,7 +293,8 @@ def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str], half: bool, qu
 
 
 def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype, unsupported: str | None,
-                 on_int4_grid: bool, flags: frozenset[str] | None = None, kernels: bool = False) -> ComputePlan:
+                 on_int4_grid: bool, flags: frozenset[str] | None = None,
+                 kernels: Callable[[], bool] = lambda: False) -> ComputePlan:
     """Which forward runs with which weights, from the config, the picked ``dtype`` and two facts of the model:
     why the own decoder cannot run it (``unsupported``, None: it can) and whether its weights lie on a 4-bit
     grid per 32 columns (``on_int4_grid``: de-quantised from GGUF Q4_1 blocks).
@@ -301,8 +302,8 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     ``"auto"`` takes int4 on a CPU for weights on the grid (the model file's own 4-bit blocks, no extra loss) unless
     float32 was asked for: ``dtype="float32"`` with no quantisation is transformers' exact forward, kept as the
     reference. A float32 run the CPU picked (``dtype`` unset) is not that request and runs the own decoder.
-    int4 runs as ``"q4_1"`` (tokenspool's operator) where ``own_int4_kernel`` says so (``kernels``: the C++
-    operators are loaded).
+    int4 runs as ``"q4_1"`` (tokenspool's operator) where ``own_int4_kernel`` says so (``kernels``: whether the C++
+    operators are loaded, loading them; asked only for int4, so a plan that needs no operator builds none).
     """
     flags = cpu_flags() if flags is None else flags
     quantization = None if config.quantization == "none" else config.quantization
@@ -316,7 +317,7 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if quantization == "fp16" and not half:
         raise ValueError(f"EngineConfig.quantization 'fp16' needs dtype float32 on a CPU with fbgemm (x86), got "
                          f"{dtype}")
-    if quantization == "int4" and own_int4_kernel(flags, kernels):
+    if quantization == "int4" and own_int4_kernel(flags, kernels()):
         quantization = "q4_1"
     exact = config.dtype == "float32" and quantization is None
     return ComputePlan(dtype=dtype, quantization=quantization, own_decoder=unsupported is None and not exact,

@@ -35,6 +35,7 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in (
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("group_matmul.h", "fast_exp.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
+WITHOUT_AVX512 = ("-mno-avx512f",)  # with ``build``: the AVX2 code on an AVX-512 CPU (tests, benchmarks/avx2.py)
 
 
 OPERATORS = ("paged_decode_attention", "int8_linear", "int4_linear", "rms_norm", "rope_", "silu_and_mul", "kv_write_")
@@ -62,15 +63,20 @@ def loaded() -> bool:
     return all(hasattr(torch.ops.tokenspool, op) for op in OPERATORS)
 
 
+def build(name: str, extra_cflags: tuple[str, ...] = ()) -> None:
+    """Compile (the first time) and load the operators as extension ``name``, ``extra_cflags`` after ``CFLAGS``."""
+    from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
+
+    load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=[*CFLAGS, *extra_cflags],
+         extra_ldflags=["-fopenmp"], is_python_module=False)
+
+
 def load_decode_kernel() -> str | None:
     """Build (first time) and load the operators; returns None when they are available, else why they are not."""
     if loaded():
         return None
-    from torch.utils.cpp_extension import load  # imports setuptools machinery: only when needed
-
     try:
-        load(name=kernel_name(cpu_description()), sources=[str(path) for path in SOURCES], extra_cflags=list(CFLAGS),
-             extra_ldflags=["-fopenmp"], is_python_module=False)
+        build(kernel_name(cpu_description()))
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja, a failed build
         lines = str(exc).strip().splitlines()  # a failed build's message ends with the compiler's verdict
         return f"{type(exc).__name__}: {lines[-1] if lines else '(no message)'}"

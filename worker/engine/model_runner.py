@@ -10,6 +10,7 @@ static buffers, replayed as a CUDA graph (``cuda_graphs.py``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,11 +79,11 @@ def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: 
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() via a decorator
     reason = unsupported_reason(model)
     on_grid = config.quantization == "auto" and reason is None and weights_on_int4_grid(model)
-    kernels = reason is None and operators_loaded(device)
+    kernels = functools.cache(lambda: operators_loaded(device))  # built (or found) once, where a plan needs them
     compute = plan_compute(config, device, dtype, reason, on_grid, kernels=kernels)
     if not compute.own_decoder:
         return model.to(dtype), None, compute
-    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows, kernels=kernels)
+    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows, kernels=kernels())
     return decoder, decoder, compute
 
 
