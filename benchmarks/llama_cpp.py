@@ -188,14 +188,15 @@ def make_runners(args: argparse.Namespace, url: str | None
     return runners, hf.config.vocab_size, dtypes
 
 
-def run_rounds(runners: dict[str, Callable[[list[Req]], float]], vocab: int, rounds: int) -> list[Sample]:
-    """Warm every system up once, then time each scenario on each system, interleaved, ``rounds`` times."""
+def run_rounds(runners: dict[str, Callable[[list[Req]], float]], vocab: int, rounds: int,
+               scenarios: tuple[str, ...] = SCENARIOS) -> list[Sample]:
+    """Warm every system up once, then time each of ``scenarios`` on each system, interleaved, ``rounds`` times."""
     warmup = [Req(list(range(5, 5 + 16)), 8)]
     for run in runners.values():
         run(warmup)
     samples = []
     for i in range(rounds):
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             reqs = scenario_requests(scenario, vocab, i)
             for system in rotated(list(runners), i):
                 load_before = os.getloadavg()[0]
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="a subset of " + ",".join(SCENARIOS))
     parser.add_argument("--threads", type=int, default=2, help="threads for every system (torch and llama.cpp)")
     parser.add_argument("--naive-batch", type=int, default=8, help="static batch size of the naive baseline")
     parser.add_argument("--model", default="smollm2", help="the engine's and naive baseline's model (name or folder)")
@@ -229,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(benchmarks/avx2.py); pass an AVX2 llama-server too (LLAMA_CPP_ISA=avx2 build)")
     args = parser.parse_args(argv)
     args.systems = args.systems.split(",")
+    args.scenarios = tuple(args.scenarios.split(","))
+    if not set(args.scenarios) <= set(SCENARIOS):
+        parser.error(f"--scenarios must be among {SCENARIOS}, got {args.scenarios}")
     if args.avx2:
         avx2.emulate_avx2()
 
@@ -280,7 +285,7 @@ def build_report(args: argparse.Namespace, samples: list[Sample], vocab: int, dt
 
 def _measure(args: argparse.Namespace, url: str | None) -> tuple[list[Sample], int, dict[str, str]]:
     runners, vocab, dtypes = make_runners(args, url)
-    return run_rounds(runners, vocab, args.rounds), vocab, dtypes
+    return run_rounds(runners, vocab, args.rounds, args.scenarios), vocab, dtypes
 
 
 if __name__ == "__main__":

@@ -169,6 +169,19 @@ def test_engine_and_naive_systems_run_end_to_end_on_a_tiny_model(tiny_llama: Pat
     assert out.with_suffix(".md").read_text().startswith("CPU: **")
 
 
+def test_scenarios_can_be_narrowed_to_one_stream(tiny_llama: Path, tmp_path: Path) -> None:
+    """``--scenarios one_stream`` times one stream alone (a quick check of the one-stream ratio); the table shows "-"
+    for the scenario not run, and an unknown scenario is refused."""
+    out = tmp_path / "one"
+    assert main(["--systems", "engine", "--scenarios", "one_stream", "--rounds", "1", "--threads", "1",
+                 "--model", str(tiny_llama), "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert {(r["system"], r["scenario"]) for r in report["summary"]} == {("engine", "one_stream")}
+    assert out.with_suffix(".md").read_text().splitlines()[4].endswith("| - |")
+    with pytest.raises(SystemExit):
+        main(["--systems", "engine", "--scenarios", "one_stream,offline", "--model", str(tiny_llama)])
+
+
 @pytest.mark.slow
 def test_llama_server_generates_exact_lengths_for_concurrent_requests(tmp_path: Path) -> None:
     binary = find_llama_server()

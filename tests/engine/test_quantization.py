@@ -236,7 +236,9 @@ QUALITY_CASES = [(torch.bfloat16, None, "prefill"), (torch.bfloat16, "int8", "pr
                  (torch.float32, "fp16", "prefill"), (torch.float32, "fp16", "decode")]
 
 
-FP16_MIN_AGREEMENT = 0.995
+# float32 activations against weights only rounded (float16) or the file's own (q4_1, whose activations are rounded
+# to 16-bit integers per group of 32): both measured 100% of the 134 positions.
+NEAR_EXACT_MIN_AGREEMENT = 0.995
 
 
 @pytest.mark.slow
@@ -246,7 +248,8 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
     with int4, CPUs without fast bf16: see docs/performance.md. The old dynamic int8 option measured 81% and 8.6).
     bf16 int4 decode rows with tokenspool's operators (the engine's where they are built: q8_0 head, fused norms,
     RoPE and SiLU, each rounded once) 99.3%, perplexity 6.96; with torch's ops and the bf16 head 97.0% and 6.96.
-    float16 weights with float32 activations keep >= 99.5% (``FP16_MIN_AGREEMENT``).
+    float16 weights with float32 activations, and q4_1 with float32 activations (16-bit integer activations in the
+    operator: 100%, perplexity 6.899 against 6.900, AMD EPYC Zen 3), keep >= 99.5% (``NEAR_EXACT_MIN_AGREEMENT``).
     Prefill rows run the dense de-quantised weights, decode rows the weight-only kernels with bf16 activations."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     source = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
@@ -269,7 +272,8 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
             agree += int((logits.argmax(-1) == reference.argmax(-1)).sum())
             nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
         case = (dtype, case_name, forward)
-        assert agree / total >= (FP16_MIN_AGREEMENT if quantization == "fp16" else 0.97), case
+        exact_enough = quantization == "fp16" or (quantization == "q4_1" and dtype == torch.float32)
+        assert agree / total >= (NEAR_EXACT_MIN_AGREEMENT if exact_enough else 0.97), case
         assert math.exp(nll / total) <= 1.03 * math.exp(nll_ref / total), case
 
 

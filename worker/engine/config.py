@@ -46,14 +46,14 @@ QUANTIZED_MAX_ROWS_HALF_AVX2, QUANTIZED_MAX_ROWS_HALF_AVX512 = 2, 16
 # The flags torch's AVX-512 kernels need (ATen's CPU capability "AVX512"); without them its int4 kernel is the
 # AVX2 one, several times slower.
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
-# There, with AVX2, int4 layers take tokenspool's own operator (linear.py's "q4_1": float32 activations, GGUF's
-# Q4_1 blocks): a step's 120 projections 5.6-6.2 against torch's 8.6-8.9 ms at one row, 10.2 against 13.2-14.3 at 4,
-# 23-24 against 27 at 8 (AMD EPYC Zen 4 with both built for AVX2: -mno-avx512f, ATEN_CPU_CAPABILITY=avx2). With
-# AVX-512 torch's kernel is as fast at one row and 10-20% faster from 2, so it stays.
+# There, with AVX2, int4 layers take tokenspool's own operator (linear.py's "q4_1": GGUF's Q4_1 blocks, float32
+# activations rounded to 16-bit integers per group of 32 for an integer dot product): a step's 120 projections 10.0
+# against torch's 17.2 ms at one row, 12.1 against 19.4 at two, 20.1 against 29.7 at four (AMD EPYC Zen 3, AVX2
+# only). With AVX-512 torch's kernel ran as fast at one row and 10-20% faster from 2 (against the operator's first
+# form, float32 weights widened in registers; Zen 4), so it stays there.
 OWN_INT4_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-# Beside float16 weights the operator serves up to 4 rows on AVX2 CPUs: an estimate, from the AVX2 EPYC's (Zen 2)
-# torch-int4-against-float16 times at 4 and 8 rows (17.8 / 16.1, 32.0 / 25.2 ms) scaled by the operator's speedup
-# over torch's AVX2 kernel (0.72-0.77 at 4 rows, 0.87-0.9 at 8), not measured on an AVX2-only CPU.
+# Beside float16 weights the operator serves up to 4 rows on AVX2 CPUs: against fbgemm's float16 matmul 10.0 / 20.8
+# ms at one row, 20.1 / 25.4 at four, 32.1 / 29.1 at six (the same run).
 QUANTIZED_MAX_ROWS_HALF_Q4_1 = 4
 
 

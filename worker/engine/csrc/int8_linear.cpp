@@ -19,7 +19,7 @@ using namespace group_matmul;
 struct Q8_0 {
   static constexpr int64_t kBytes = kGroup;  // one signed byte a weight
 
-  static void widen(const uint8_t* codes, float scale, float /*minimum*/, Vec* weight) {
+  static void widen(const uint8_t* codes, float scale, Vec* weight) {
 #if defined(__AVX512F__)
     for (int i = 0; i < kVectors; ++i) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
