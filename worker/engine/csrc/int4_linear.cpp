@@ -11,9 +11,9 @@
 // which makes q . x an integer dot product, exact in int32: AVX2's vpmaddwd multiplies 16 pairs of 16-bit integers
 // and adds them in pairs. Each group's sum is converted once and scaled by d * step; m sum(x) uses the float32
 // activations' own sums. The weights are the file's exactly (its float16 scales and minimums), and the
-// accumulation is float32. A group's 16 bytes widen in 5 instructions and each row takes 5 more: widening the
-// codes to float32 weights instead (this operator's first form) took ~25 a group, and its AVX2 loop ran at a
-// third of the memory's rate (AMD EPYC Zen 3). torch's int4 kernel takes bf16 activations and, without AVX-512,
+// accumulation is float32. One row costs ~12 instructions a group (a group's 16 bytes widen in 6, a load among
+// them): widening the codes to float32 weights instead (this operator's first form) took ~29, and its AVX2 loop
+// ran at a third of the memory's rate (AMD EPYC Zen 3). torch's int4 kernel takes bf16 activations and, without AVX-512,
 // is slower still.
 
 #include <torch/library.h>
