@@ -206,17 +206,24 @@ inline void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % kGroup == 0, "x: [M, K], K a multiple of ", kGroup);
 }
 
-// x (check_rows) against N output columns of w -> [M, N] in x's dtype.
-template <typename Format>
-at::Tensor run(const at::Tensor& x, const Weights& w, int64_t N) {
+// x (check_rows) against N output columns -> [M, N] in x's dtype: `matmul(x float32 [M, K], M, out)` fills out
+// (float32 or bfloat16, a generic lambda) from x made float32 and contiguous.
+template <typename Matmul>
+at::Tensor in_rows(const at::Tensor& x, int64_t N, Matmul&& matmul) {
   const at::Tensor x32 = x.to(at::kFloat).contiguous();  // no copy for a contiguous float32 x
   auto out = at::empty({x.size(0), N}, x.options());
   if (x.scalar_type() == at::kFloat) {
-    group_matmul<Format>(x32.data_ptr<float>(), x.size(0), w, N, out.data_ptr<float>());
+    matmul(x32.data_ptr<float>(), x.size(0), out.data_ptr<float>());
   } else {
-    group_matmul<Format>(x32.data_ptr<float>(), x.size(0), w, N, out.data_ptr<at::BFloat16>());
+    matmul(x32.data_ptr<float>(), x.size(0), out.data_ptr<at::BFloat16>());
   }
   return out;
+}
+
+// x (check_rows) against N output columns of w in Format -> [M, N] in x's dtype.
+template <typename Format>
+at::Tensor run(const at::Tensor& x, const Weights& w, int64_t N) {
+  return in_rows(x, N, [&](const float* x32, int64_t M, auto* out) { group_matmul<Format>(x32, M, w, N, out); });
 }
 
 }  // namespace group_matmul

@@ -13,8 +13,8 @@
 // activations' own sums. The weights are the file's exactly (its float16 scales and minimums), and the
 // accumulation is float32. One row costs ~12 instructions a group (a group's 16 bytes widen in 6, a load among
 // them): widening the codes to float32 weights instead (this operator's first form) took ~29, and its AVX2 loop
-// ran at a third of the memory's rate (AMD EPYC Zen 3). torch's int4 kernel takes bf16 activations and, without AVX-512,
-// is slower still.
+// ran at a third of the memory's rate (AMD EPYC Zen 3). torch's int4 kernel takes bf16 activations and, without
+// AVX-512, is slower still.
 
 #include <torch/library.h>
 
@@ -198,14 +198,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == K / kGroup, "scales, mins: [N, K/32]");
   }
   const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), K / kGroup};
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();  // no copy for a contiguous float32 x
-  auto out = at::empty({x.size(0), N}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    int4_matmul(x32.data_ptr<float>(), x.size(0), w, N, out.data_ptr<float>());
-  } else {
-    int4_matmul(x32.data_ptr<float>(), x.size(0), w, N, out.data_ptr<at::BFloat16>());
-  }
-  return out;
+  return in_rows(x, N, [&](const float* x32, int64_t M, auto* out) { int4_matmul(x32, M, w, N, out); });
 }
 
 }  // namespace
