@@ -41,18 +41,25 @@ SYSTEMS = {
     "sdpa": {"quantization": "auto", "attention_backend": "sdpa"},  # the default, decode K/V gathered for SDPA
     "torch_ops": {"quantization": "auto"},  # the default with the decoder's small steps as torch ops (see below)
     "torch_int4": {"quantization": "auto"},  # the default with torch's int4 kernel wherever int4 runs (see below)
+    "layer_loop": {"quantization": "auto"},  # the default with every step's layers in Python (see below)
 }
 # Systems that differ from their config after the engine is built: ``torch_ops`` runs the norms, RoPE,
 # SiLU-and-multiply and the K/V writes as torch ops instead of tokenspool's C++ operators (what a worker without a
-# compiler runs, its LM head aside), to measure what the operators save.
+# compiler runs, its LM head aside), to measure what the operators save; ``layer_loop`` runs the decoder's layers
+# from Python in every step, not as one C++ call where the step allows it (``decode_layers.py``).
 
 
 def _torch_ops(engine) -> None:
     engine.runner.decoder.fused = False
+    engine.runner.decoder.stack = None
     engine.runner.kv_cache.fused_write = False
 
 
-ADJUST = {"torch_ops": _torch_ops}
+def _layer_loop(engine) -> None:
+    engine.runner.decoder.stack = None
+
+
+ADJUST = {"torch_ops": _torch_ops, "layer_loop": _layer_loop}
 
 
 @contextlib.contextmanager

@@ -9,9 +9,13 @@ import pytest
 import torch
 
 from worker.engine import Engine, SamplingParams, StepOutput
+from worker.engine.attention import PagedContext
 from worker.engine.config import cpu_flags, own_int4_kernel
 from worker.engine.decode_kernel import load_decode_kernel
+from worker.engine.decoder import Decoder
 from worker.engine.linear import half_packs
+from worker.engine.model_runner import ModelRunner
+from worker.engine.scheduler import ScheduledChunk
 
 # float16 weights (``--quantization fp16``, float32 layers' dense copies) need fbgemm: torch's x86 builds
 needs_fbgemm = pytest.mark.skipif(not half_packs(torch.device("cpu")), reason="no fbgemm (x86 builds of torch)")
@@ -119,3 +123,26 @@ def poison_token(engine: Engine, token_id: int) -> None:
             runner.decoder.embed[token_id] = float("nan")
         else:
             runner.model.get_input_embeddings().weight[token_id] = float("nan")
+
+
+def decoder_logits(decoder: Decoder, runner: ModelRunner, sequences: list[list[int]], prefill: int
+                   ) -> list[torch.Tensor]:
+    """Run ``sequences`` through ``decoder``: the first ``prefill`` tokens of each as one chunk (the requests side by
+    side in one step), then one token per step. Returns each sequence's logits ``[len - prefill + 1, V]``."""
+    tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(sequences))]  # 8 blocks of 8 tokens each
+    per_seq: list[list[torch.Tensor]] = [[] for _ in sequences]
+    for position in range(prefill, max(len(s) for s in sequences) + 1):
+        chunks = []
+        for seq, table in zip(sequences, tables, strict=True):
+            if position > len(seq):
+                continue
+            start = 0 if position == prefill else position - 1
+            chunks.append(ScheduledChunk("r", tuple(seq[start:position]), start, table, needs_logits=True))
+        input_ids, position_ids, metadata, logits_indices = runner.prepare_inputs(chunks)
+        with torch.inference_mode():
+            logits = decoder(input_ids[0], position_ids[0], PagedContext(runner.kv_cache, metadata), logits_indices)
+        rows = iter(logits.float())
+        for i, seq in enumerate(sequences):
+            if position <= len(seq):
+                per_seq[i].append(next(rows))
+    return [torch.stack(rows) for rows in per_seq]

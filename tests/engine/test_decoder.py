@@ -12,37 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.engine.helpers import decoder_logits
 from worker.engine import EngineConfig
-from worker.engine.attention import PagedContext
 from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.decoder import Decoder
 from worker.engine.model_runner import ModelRunner
-from worker.engine.scheduler import ScheduledChunk
 
-BLOCK = 8
-
-
-def decoder_logits(decoder: Decoder, runner: ModelRunner, sequences: list[list[int]], prefill: int
-                   ) -> list[torch.Tensor]:
-    """Run ``sequences`` through ``decoder``: the first ``prefill`` tokens of each as one chunk (the requests side by
-    side in one step), then one token per step. Returns each sequence's logits ``[len - prefill + 1, V]``."""
-    tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(sequences))]  # 8 blocks of 8 tokens each
-    per_seq: list[list[torch.Tensor]] = [[] for _ in sequences]
-    for position in range(prefill, max(len(s) for s in sequences) + 1):
-        chunks = []
-        for seq, table in zip(sequences, tables, strict=True):
-            if position > len(seq):
-                continue
-            start = 0 if position == prefill else position - 1
-            chunks.append(ScheduledChunk("r", tuple(seq[start:position]), start, table, needs_logits=True))
-        input_ids, position_ids, metadata, logits_indices = runner.prepare_inputs(chunks)
-        with torch.inference_mode():
-            logits = decoder(input_ids[0], position_ids[0], PagedContext(runner.kv_cache, metadata), logits_indices)
-        rows = iter(logits.float())
-        for i, seq in enumerate(sequences):
-            if position <= len(seq):
-                per_seq[i].append(next(rows))
-    return [torch.stack(rows) for rows in per_seq]
+BLOCK = 8  # tokens a KV block (decoder_logits gives each sequence 8 blocks)
 
 
 def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = None, kernels: bool = False

@@ -12,6 +12,8 @@
   instead of a chain of torch ops (``decoder.py``).
 - ``kv_write_`` (``kv_write.cpp``): a layer's new keys and values stored at their slots in one call, not two
   ``index_copy_`` (``kv_cache.py``, for the decoder).
+- ``decode_layers`` (``decode_layers.cpp``): the decoder's layer loop for a step of few decodes, calling the
+  operators above (``operators.h``) and torch's weight-only kernels from C++ (``decode_layers.py``).
 
 They are compiled with the machine's own instruction set (``-march=native``), by torch's extension builder (g++
 and ninja), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under
@@ -31,14 +33,15 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in (
-    "paged_decode.cpp", "int8_linear.cpp", "int4_linear.cpp", "fused.cpp", "kv_write.cpp"))
-HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("group_matmul.h", "fast_exp.h"))
+    "paged_decode.cpp", "int8_linear.cpp", "int4_linear.cpp", "fused.cpp", "kv_write.cpp", "decode_layers.cpp"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("group_matmul.h", "fast_exp.h", "operators.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
 WITHOUT_AVX512 = ("-mno-avx512f",)  # with ``build``: the AVX2 code on an AVX-512 CPU (tests, benchmarks/avx2.py)
 
 
-OPERATORS = ("paged_decode_attention", "int8_linear", "int4_linear", "rms_norm", "rope_", "silu_and_mul", "kv_write_")
+OPERATORS = ("paged_decode_attention", "int8_linear", "int4_linear", "rms_norm", "rope_", "silu_and_mul", "kv_write_",
+             "decode_layers")
 
 
 def cpu_description() -> str:

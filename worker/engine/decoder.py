@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from worker.engine.attention import PagedContext, paged_attention
+from worker.engine.decode_layers import LayerStack, run_stack, stack_layers
 from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, keeps_half, prepacks
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -157,6 +158,13 @@ class Decoder(nn.Module):
         self.eps = float(config.rms_norm_eps)
         head = head_quantization(quantization, dtype, self.embed.device, kernels)
         self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head)
+        # On the operators, steps of few decodes run every layer in one C++ call (``decode_layers.py``).
+        self.stack: LayerStack | None = None
+        if self.fused:
+            self.stack = stack_layers([(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers],
+                                      [w for layer in self.layers for w in (layer.input_norm,
+                                                                            layer.post_attention_norm)],
+                                      self.shape.num_heads, self.layers[0].scale, self.eps)
 
     def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, D]`` for ``x * cos + roll(x, D/2) * sin`` (== rotate_half form)."""
@@ -170,8 +178,12 @@ class Decoder(nn.Module):
         """``input_ids``/``position_ids``: [T]; returns logits [len(logits_indices), V] in the compute dtype."""
         cos, sin = self.rope_tables(position_ids)
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, ctx)
+        stacked = None if self.stack is None else run_stack(self.stack, hidden, cos, sin, ctx)
+        if stacked is not None:
+            hidden = stacked
+        else:
+            for index, layer in enumerate(self.layers):
+                hidden = self._layer(index, layer, hidden, cos, sin, ctx)
         return self.lm_head(self._norm(hidden[logits_indices], self.final_norm))  # [B, V]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

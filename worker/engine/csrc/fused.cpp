@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "fast_exp.h"
+#include "operators.h"
 
 #include <cmath>
 #include <cstdint>
@@ -127,6 +128,10 @@ void check_rows(const at::Tensor& x, int64_t dims, const char* name) {
               ": float32, bfloat16 or float16");
 }
 
+}  // namespace
+
+namespace tokenspool {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, 2, "x");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
@@ -166,7 +171,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace tokenspool
 
 TORCH_LIBRARY_FRAGMENT(tokenspool, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -175,7 +180,7 @@ TORCH_LIBRARY_FRAGMENT(tokenspool, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenspool, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_", &rope_);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &tokenspool::rms_norm);
+  m.impl("rope_", &tokenspool::rope_);
+  m.impl("silu_and_mul", &tokenspool::silu_and_mul);
 }

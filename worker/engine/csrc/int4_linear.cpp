@@ -21,6 +21,7 @@
 #include <cmath>
 
 #include "group_matmul.h"
+#include "operators.h"
 
 namespace {
 
@@ -186,6 +187,10 @@ void int4_matmul(const float* x, int64_t M, const Weights& w, int64_t N, Out* ou
   in_passes(M, [&](auto count, int64_t r0) { pass<decltype(count)::value>(w, rows, r0, N, out); });
 }
 
+}  // namespace
+
+namespace tokenspool {
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& mins) {
   check_rows(x);
@@ -201,10 +206,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return in_rows(x, N, [&](const float* x32, int64_t M, auto* out) { int4_matmul(x32, M, w, N, out); });
 }
 
-}  // namespace
+}  // namespace tokenspool
 
 TORCH_LIBRARY_FRAGMENT(tokenspool, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenspool, CPU, m) { m.impl("int4_linear", &int4_linear); }
+TORCH_LIBRARY_IMPL(tokenspool, CPU, m) { m.impl("int4_linear", &tokenspool::int4_linear); }

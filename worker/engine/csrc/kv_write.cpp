@@ -16,6 +16,8 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "operators.h"
+
 namespace {
 
 constexpr int64_t kRowsPerTask = 256;  // a decode step writes a row or a few: one thread; a long prefill splits
@@ -45,6 +47,10 @@ void check_layout(const at::Tensor& key_cache, const at::Tensor& value_cache, co
   }
 }
 
+}  // namespace
+
+namespace tokenspool {
+
 void kv_write_(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& key,
                const at::Tensor& value) {
   check_layout(key_cache, value_cache, slots, key, value);
@@ -63,10 +69,10 @@ void kv_write_(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& s
   });
 }
 
-}  // namespace
+}  // namespace tokenspool
 
 TORCH_LIBRARY_FRAGMENT(tokenspool, m) {
   m.def("kv_write_(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots, Tensor key, Tensor value) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tokenspool, CPU, m) { m.impl("kv_write_", &kv_write_); }
+TORCH_LIBRARY_IMPL(tokenspool, CPU, m) { m.impl("kv_write_", &tokenspool::kv_write_); }

@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "fast_exp.h"
+#include "operators.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -240,6 +241,10 @@ void check_indices(const at::Tensor& block_tables, const at::Tensor& context_len
   }
 }
 
+}  // namespace
+
+namespace tokenspool {
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key_pool.dim() == 4 && value_pool.dim() == 4, "query [B, H, D], pools 4-d");
@@ -267,11 +272,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
-}  // namespace
+}  // namespace tokenspool
 
 TORCH_LIBRARY(tokenspool, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenspool, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tokenspool, CPU, m) { m.impl("paged_decode_attention", &tokenspool::paged_decode_attention); }
