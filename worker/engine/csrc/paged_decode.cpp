@@ -72,6 +72,26 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// q . r[i] for the kKeysAtOnce rows r[i] (n floats each, consecutive) into out[i]. With AVX2 the four sums stay
+// vectors to the end and are reduced together (three horizontal adds and one add, where four separate reductions
+// cost ~20 instructions): the scores of a batch of 32 sequences ran at a tenth of the FMA rate with `dot` per key.
+inline void dots(const float* q, const float* r, int64_t n, float* out) {
+#if defined(__AVX2__)
+  if (n % 8 == 0) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t d = 0; d < n; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + i * n + d), acc[i]);
+    }
+    // per 128-bit half: [sum of acc[0]'s, acc[1]'s, acc[2]'s, acc[3]'s lanes in that half]
+    const __m256 quad = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(quad), _mm256_extractf128_ps(quad, 1)));
+    return;
+  }
+#endif
+  for (int i = 0; i < 4; ++i) out[i] = dot(q, r + i * n, n);
+}
+
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
@@ -80,7 +100,7 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 // A row of one KV head is D values at a stride of a whole token (all KV heads), and blocks are scattered: the
 // hardware prefetcher does not follow that, so each loop asks for the row this many keys ahead.
 constexpr int64_t kPrefetchRows = 8;
-constexpr int64_t kKeysAtOnce = 4;  // the value pass below spells out four
+constexpr int64_t kKeysAtOnce = 4;  // `dots` and the value pass below spell out four
 
 template <typename T>
 inline void prefetch_row(const T* row, int64_t n) {
@@ -99,7 +119,8 @@ struct Layout {
 // `kDim`: the head size when known at compile time (the common 64 and 128, whose loops then unroll), else 0.
 template <typename Q, typename KV, int kDim>
 void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, const int64_t* table,
-            int64_t num_keys, int64_t head0, int64_t count, float scale, Q* out, std::vector<float>& scratch) {
+            int64_t num_keys, int64_t head0, int64_t count, float scale, Q* out, std::vector<float>& scratch,
+            std::vector<int64_t>& token_offsets) {
   const int64_t D = kDim > 0 ? kDim : L.head_dim;
   const int64_t kv0 = head0 / L.group, num_kv = (head0 + count - 1) / L.group - kv0 + 1;
   scratch.resize(count * (2 * D + 2 + num_keys) + num_kv * kKeysAtOnce * D);
@@ -116,9 +137,15 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
   std::fill(acc, acc + count * D, 0.f);
   std::fill(max_score, max_score + count, -std::numeric_limits<float>::infinity());
   std::fill(total, total + count, 0.f);
-  const auto offset_of = [&](int64_t t, int64_t kv) {
-    return table[t / L.block_size] * L.kv_block + (t % L.block_size) * L.kv_token + kv * L.kv_head;
-  };
+  // Where each key's token lies in the pool, block by block: no division per key (a 64-bit division by the
+  // block size, for every row read and prefetched, took ~40% of the operator's time at 32 sequences).
+  token_offsets.resize(num_keys);
+  for (int64_t t0 = 0; t0 < num_keys; t0 += L.block_size) {
+    const int64_t base = table[t0 / L.block_size] * L.kv_block;
+    const int64_t end = std::min(num_keys, t0 + L.block_size);
+    for (int64_t t = t0; t < end; ++t) token_offsets[t] = base + (t - t0) * L.kv_token;
+  }
+  const auto offset_of = [&](int64_t t, int64_t kv) { return token_offsets[t] + kv * L.kv_head; };
   // Keys and values are taken kKeysAtOnce at a time: independent dot products, and one pass over `acc` for
   // several values, keep the pipeline busy (one at a time, each waited on the last one's reduction or store).
   // All the item's KV heads of a token are read together: adjacent in the pool, so a block streams in order.
@@ -137,11 +164,11 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
     const int64_t n = std::min(kKeysAtOnce, num_keys - t);
     load_keys(keys, t, n);
     for (int64_t h = 0; h < count; ++h) {
-      const float* r = rows_of(h);
+      float four[kKeysAtOnce];  // past n: products with stale rows of the scratch, unused
+      dots(q + h * D, rows_of(h), D, four);
       for (int64_t i = 0; i < n; ++i) {
-        const float s = dot(q + h * D, r + i * D, D);
-        scores[h * num_keys + t + i] = s;
-        max_score[h] = std::max(max_score[h], s);
+        scores[h * num_keys + t + i] = four[i];
+        max_score[h] = std::max(max_score[h], four[i]);
       }
     }
   }
@@ -215,10 +242,11 @@ void run(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& 
                                               : attend<Q, KV, 0>;
   at::parallel_for(0, L.num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
+    std::vector<int64_t> token_offsets;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq, head0 = (item % items_per_seq) * heads_per_item;
       attend_one(L, q + seq * L.q_seq, k, v, tables + seq * L.table_row, lens[seq], head0, heads_per_item,
-                 static_cast<float>(scale), o + seq * L.out_seq, scratch);
+                 static_cast<float>(scale), o + seq * L.out_seq, scratch, token_offsets);
     }
   });
 }
