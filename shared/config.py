@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     quantization: str | None = Field("auto", description="auto (int4 on CPU where the weights came from 4-bit GGUF "
                                      "blocks, unless --dtype float32) | none | int8 | int4 (weight-only kernels for "
                                      "small batches) | fp16 (float16 weights, float32 activations; x86 CPUs)")
+    kv_cache_dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$",
+                                description="auto (the compute dtype; float16 under float32 with quantised weights "
+                                "on CPU) | float32 | bfloat16 | float16")
     attention_backend: str = Field("auto", pattern="^(auto|sdpa|kernel|flex)$",
                                    description="auto (flex on CUDA; on CPU the C++ decode kernel, built once with "
                                    "g++ and ninja, else sdpa) | sdpa (gathered K/V) | kernel | flex")

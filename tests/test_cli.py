@@ -67,7 +67,8 @@ def test_worker_flags_map_to_settings_fields() -> None:
         "--max-num-batched-tokens", "512", "--block-size", "8", "--num-kv-blocks", "100", "--device", "cpu",
         "--dtype", "float32", "--speculative", "ngram", "--draft-model", "/models/draft",
         "--num-speculative-tokens", "3", "--metrics-port", "9100", "--drain-timeout", "7.5",
-        "--no-enable-prefix-caching", "--worker-id", "w1", "--attention-backend", "sdpa",
+        "--no-enable-prefix-caching", "--worker-id", "w1", "--attention-backend", "sdpa", "--kv-cache-dtype",
+        "float16",
     ])
     assert (settings.redis_url, settings.model, settings.max_num_seqs) == ("redis://127.0.0.1:1/0", "smollm2", 8)
     assert (settings.max_num_batched_tokens, settings.block_size, settings.num_kv_blocks) == (512, 8, 100)
@@ -77,6 +78,8 @@ def test_worker_flags_map_to_settings_fields() -> None:
     from worker.main import engine_config  # torch: only here
 
     assert engine_config(settings).attention_backend == "sdpa"
+    assert engine_config(settings).kv_cache_dtype == "float16"
+    assert engine_config(settings_for(["worker"])).kv_cache_dtype is None  # auto: the engine picks
 
 
 def test_api_and_up_flags_map_to_settings_fields(tmp_path: Path) -> None:

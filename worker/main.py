@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    """The engine's settings; "auto" device/dtype become None (the engine picks)."""
+    """The engine's settings; "auto" device/dtype/kv_cache_dtype become None (the engine picks)."""
     return EngineConfig(
         model=settings.model, block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -40,6 +40,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_max_batch=settings.speculative_max_batch, quantization=settings.quantization,
         attention_backend=settings.attention_backend,
+        kv_cache_dtype=None if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype,
         # Default: one torch thread per core this process may run on (torch's own default counts the machine's
         # cores, which oversubscribes a pinned or shared worker; docs/performance.md).
         num_threads=settings.num_threads or len(os.sched_getaffinity(0)),

@@ -82,6 +82,21 @@ def test_operator_matches_float64_attention(dtype: torch.dtype, heads: int, kv_h
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 40)])
+@pytest.mark.parametrize("lens", [[37], [5, 70], [16, 1, 130, 47, 32, 9, 200, 3]])
+def test_float32_queries_read_a_16_bit_cache(kv_dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                                             lens: list[int]) -> None:
+    """A float32 engine's cache in 16 bits (``config.pick_kv_dtype``): rows widened as they are read, so the result
+    is float32 attention over the rounded keys and values, to float32 rounding."""
+    query, keys, values, tables, context = scattered_case(len(lens) + dim, lens, heads, kv_heads, dim, torch.float32)
+    keys, values = keys.to(kv_dtype), values.to(kv_dtype)
+    out = torch.ops.tokenspool.paged_decode_attention(query, keys, values, tables, context, dim ** -0.5)
+    assert out.dtype == torch.float32
+    expected = reference(query, keys, values, tables, context, dim ** -0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_operator_rejects_what_it_cannot_read() -> None:
     query, keys, values, tables, context = scattered_case(0, [20], 4, 2, 8, torch.float32)
     op = torch.ops.tokenspool.paged_decode_attention

@@ -25,9 +25,11 @@ PREFILL = 6
 
 
 def run(model_path: Path, dtype: torch.dtype, quantization: str | None, max_rows: int, stacked: bool,
-        monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+        monkeypatch: pytest.MonkeyPatch, kv_dtype: str | None = None
+        ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
     """Each sequence's logits, the key and value pools after the steps, and the token count of every step the
-    operator served (``stacked=False``: none, the Python loop runs them all)."""
+    operator served (``stacked=False``: none, the Python loop runs them all). ``kv_dtype``: the cache's (None: the
+    engine's pick)."""
     assert load_decode_kernel() is None, "the C++ operators must build where the tests run"
     source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
@@ -39,8 +41,11 @@ def run(model_path: Path, dtype: torch.dtype, quantization: str | None, max_rows
     if not stacked:
         model.stack = None
     runner = ModelRunner(EngineConfig(model=str(model_path), dtype=str(dtype).removeprefix("torch."), block_size=8,
-                                      num_kv_blocks=16, device="cpu", attention_backend="kernel"), model_path)
-    runner.kv_cache.fused_write = True  # as the runner sets it for a decoder on the operators
+                                      num_kv_blocks=16, device="cpu", attention_backend="kernel",
+                                      quantization="int8" if quantization == "int8" else "int4",
+                                      kv_cache_dtype=kv_dtype), model_path)
+    runner.kv_cache.fused_write = True  # as the runner sets it for a decoder on the operators (a quantised one: the
+    # runner's own plan then picks the cache's dtype as the engine's would)
     served: list[int] = []
 
     def counting_run_stack(stack, hidden, cos, sin, ctx):  # type: ignore[no-untyped-def]
@@ -56,19 +61,23 @@ def run(model_path: Path, dtype: torch.dtype, quantization: str | None, max_rows
     return logits, pools, served
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [
-    (torch.bfloat16, "int4"), (torch.float32, "int4"), (torch.bfloat16, "int8"), (torch.float32, "int8"),
-    (torch.float32, "q4_1"), (torch.bfloat16, "q4_1")])
+@pytest.mark.parametrize(("dtype", "quantization", "kv_dtype"), [
+    (torch.bfloat16, "int4", None), (torch.float32, "int4", None), (torch.bfloat16, "int8", None),
+    (torch.float32, "int8", None), (torch.float32, "q4_1", None), (torch.bfloat16, "q4_1", None),
+    (torch.float32, "q4_1", "float32"), (torch.float32, "int4", "bfloat16")])
 def test_the_operator_equals_the_python_loop(tiny_model: Path, dtype: torch.dtype, quantization: str,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every weight-only format in both compute dtypes, Llama and Qwen2 (q/k/v biases): the same logits and K/V,
-    bit for bit; the operator ran every decode step (7 of two tokens, then 4 of the longer request alone)."""
-    got_logits, got_pools, served = run(tiny_model, dtype, quantization, 4, True, monkeypatch)
-    want_logits, want_pools, none = run(tiny_model, dtype, quantization, 4, False, monkeypatch)
+                                             kv_dtype: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every weight-only format in both compute dtypes, Llama and Qwen2 (q/k/v biases), float32 ones over the
+    cache the engine picks (float16) and over float32 and bf16 ones: the same logits and K/V, bit for bit; the
+    operator ran every decode step (3 of two tokens, then 4 of the longer request alone)."""
+    got_logits, got_pools, served = run(tiny_model, dtype, quantization, 4, True, monkeypatch, kv_dtype)
+    want_logits, want_pools, none = run(tiny_model, dtype, quantization, 4, False, monkeypatch, kv_dtype)
     assert served == [2] * 3 + [1] * 4 and none == []
     for got, want in zip(got_logits, want_logits, strict=True):
         assert torch.equal(got, want)
     assert torch.equal(got_pools, want_pools)
+    expected = kv_dtype or ("float16" if dtype == torch.float32 else "bfloat16")
+    assert got_pools.dtype == getattr(torch, expected)
 
 
 def test_steps_with_more_rows_than_the_kernels_take_keep_the_python_loop(tiny_llama: Path,

@@ -12,9 +12,12 @@ from tests.engine.helpers import needs_fbgemm, this_cpus_int4
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.config import (
     ComputePlan,
+    ModelShape,
     bf16_matmul_speedup,
     cpu_flags,
+    make_plan,
     pick_dtype,
+    pick_kv_dtype,
     plan_compute,
 )
 from worker.engine.decoder import Decoder
@@ -171,6 +174,51 @@ def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int
     assert qkv.quantization == int4 and qkv.max_rows == compute.quantized_max_rows
     assert qkv.layout() == ("half" if half else "plain") and qkv.dense_weight().dtype == torch.float32
     assert qkv.scales.dtype == (torch.float16 if int4 == "q4_1" else torch.bfloat16)
+
+
+F32_Q4 = ComputePlan(dtype=torch.float32, quantization="q4_1", own_decoder=True, quantized_max_rows=4)
+
+
+@pytest.mark.parametrize(("config", "device", "compute", "backend", "expected"), [
+    (EngineConfig(), CPU, F32_Q4, "kernel", torch.float16),  # float32 + quantised on the operator: 16 bits
+    (EngineConfig(), CPU, F32_Q4, "sdpa", torch.float32),  # gathered K/V for SDPA: the compute dtype
+    (EngineConfig(), CPU, ComputePlan(torch.float32, "fp16", True, 16), "kernel", torch.float16),
+    (EngineConfig(), CPU, ComputePlan(torch.float32, None, False, 32), "kernel", torch.float32),  # the exact path
+    (EngineConfig(), CPU, ComputePlan(torch.float32, None, True, 32), "kernel", torch.float32),  # unquantised
+    (EngineConfig(), CPU, ComputePlan(torch.bfloat16, "int4", True, 8), "kernel", torch.bfloat16),
+    (EngineConfig(), torch.device("cuda"), ComputePlan(torch.bfloat16, None, True, 8), "flex", torch.bfloat16),
+    (EngineConfig(kv_cache_dtype="float32"), CPU, F32_Q4, "kernel", torch.float32),  # asked for
+    (EngineConfig(kv_cache_dtype="bfloat16"), CPU, ComputePlan(torch.float32, None, False, 32), "sdpa",
+     torch.bfloat16),
+])
+def test_the_kv_cache_is_16_bits_under_float32_with_quantised_weights(
+        config: EngineConfig, device: torch.device, compute: ComputePlan, backend: str, expected: torch.dtype) -> None:
+    assert pick_kv_dtype(config, device, compute, backend) == expected
+
+
+def test_a_16_bit_cache_holds_twice_the_blocks_of_a_float32_one() -> None:
+    shape = ModelShape(num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=10, max_position_embeddings=10_000)
+    config = EngineConfig(kv_cache_bytes=1 << 20)
+    wide, narrow = (make_plan(config, shape, CPU, torch.float32, kv) for kv in (None, torch.float16))
+    assert narrow.num_kv_blocks == 2 * wide.num_kv_blocks
+    assert (wide.cache_dtype, narrow.cache_dtype, narrow.dtype) == (torch.float32, torch.float16, torch.float32)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int8")
+
+
+def test_a_float32_engine_with_int4_weights_keeps_a_float16_cache(tiny_llama: Path) -> None:
+    """The engine's pick end to end, and what it serves: greedy tokens as with a float32 cache (random weights may
+    tie near-equal logits differently; these prompts do not)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for kv_dtype in (None, "float32"):
+        engine = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", quantization="int4", num_kv_blocks=32,
+                                     kv_cache_dtype=kv_dtype))
+        assert engine.runner.kv_cache.key_pool.dtype == (torch.float16 if kv_dtype is None else torch.float32)
+        outputs[kv_dtype] = [o.token_ids for o in engine.generate([[5, 6, 7], [8, 9, 10, 11]], params)]
+    assert outputs[None] == outputs["float32"]
+    exact = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=32))
+    assert exact.runner.kv_cache.key_pool.dtype == torch.float32  # transformers' exact forward keeps float32
 
 
 def test_this_machine_reports_its_flags() -> None:

@@ -36,8 +36,8 @@ class KVCache:
         dims = (shape.num_layers, self.num_blocks, plan.block_size, shape.num_kv_heads, shape.head_dim)
         # One tensor per side for all layers, so that a step can view every layer's K/V of one request at once
         # (``block_range_all``); keys[layer], values[layer]: [num_blocks, block_size, kv_heads, head_dim] views.
-        self.key_pool = torch.zeros(dims, dtype=plan.dtype, device=plan.device)
-        self.value_pool = torch.zeros(dims, dtype=plan.dtype, device=plan.device)
+        self.key_pool = torch.zeros(dims, dtype=plan.cache_dtype, device=plan.device)
+        self.value_pool = torch.zeros(dims, dtype=plan.cache_dtype, device=plan.device)
         self.keys, self.values = list(self.key_pool.unbind(0)), list(self.value_pool.unbind(0))
         # [num_blocks * block_size, kvh, hd] per layer: the slots ``write`` addresses, viewed once, not per call
         self._flat_keys = [k.view(-1, *dims[3:]) for k in self.keys]

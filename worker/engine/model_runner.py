@@ -34,6 +34,7 @@ from worker.engine.config import (
     pick_cuda_graphs,
     pick_device,
     pick_dtype,
+    pick_kv_dtype,
     plan_compute,
 )
 from worker.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, pick_bucket
@@ -130,9 +131,10 @@ class ModelRunner:
             keep_freed_memory_for_reuse()  # process-wide, like the thread count: step temporaries stay mapped
         self.model, self.decoder, self.compute = load_model(config, folder, device, dtype)
         self.shape = model_shape(self.model.config)
-        self.plan: EnginePlan = make_plan(config, self.shape, device, dtype)
         self.attention_backend = settle_kernel(config, pick_attention_backend(config, device,
                                                                               self.compute.own_decoder))
+        kv_dtype = pick_kv_dtype(config, device, self.compute, self.attention_backend)
+        self.plan: EnginePlan = make_plan(config, self.shape, device, dtype, kv_dtype)
         self.cuda_graphs = pick_cuda_graphs(config, device, self.attention_backend, self.compute.own_decoder)
         self.kv_cache = KVCache(self.shape, self.plan, scratch_block=self.cuda_graphs != "off",
                                 fused_write=self.decoder is not None and self.decoder.fused)
@@ -145,10 +147,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.forward, self.kv_cache, self.flex.attend, self.flex.options,
                                        config.max_num_seqs, capture=self.cuda_graphs == "on", device=device)
         log.info("model loaded: folder=%s device=%s dtype=%s quantization=%s forward=%s attention=%s "
-                 "cuda_graphs=%s kv_blocks=%d block_size=%d max_model_len=%d", folder, device, dtype,
+                 "cuda_graphs=%s kv_blocks=%d kv_dtype=%s block_size=%d max_model_len=%d", folder, device, dtype,
                  self.compute.quantization, "decoder" if self.compute.own_decoder else "transformers",
-                 self.attention_backend, self.cuda_graphs, self.plan.num_kv_blocks, self.plan.block_size,
-                 self.plan.max_model_len)
+                 self.attention_backend, self.cuda_graphs, self.plan.num_kv_blocks, self.plan.cache_dtype,
+                 self.plan.block_size, self.plan.max_model_len)
 
     @property
     def device(self) -> torch.device:

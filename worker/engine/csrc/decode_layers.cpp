@@ -13,7 +13,8 @@
 //     name of their layout: "int4" (torch's _weight_int4pack_mm_for_cpu, scales its scales_and_zeros), "int8"
 //     (torch's _weight_int8pack_mm) or "q4_1" (int4_linear.cpp).
 //   norms: per layer (input, post-attention), float32 [C].
-// hidden is in the compute dtype, the K/V pools too; the layers' new K/V are written into the pools at `slots`.
+// hidden is in the compute dtype, the K/V pools in it or in 16 bits under float32; the layers' new K/V are written
+// into the pools at `slots`, rounded to the pools' dtype.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
@@ -76,8 +77,9 @@ at::Tensor layer(const at::Tensor& hidden, int64_t index, const at::Tensor* w, c
   tokenspool::rope_(qk, s.cos, s.sin);
   const at::Tensor value = qkv.slice(1, qk_heads * D).view({T, kv_heads, D});
   const at::Tensor keys = s.key_pool.select(0, index), values = s.value_pool.select(0, index);  // [NB, BS, KVH, D]
+  const auto kv_type = keys.scalar_type();  // the compute dtype, or 16 bits under float32 (KVCache.write's cast)
   tokenspool::kv_write_(keys.view({-1, kv_heads, D}), values.view({-1, kv_heads, D}), s.slots,
-                        qk.slice(1, s.num_heads), value);
+                        qk.slice(1, s.num_heads).to(kv_type), value.to(kv_type));
   const at::Tensor attn = tokenspool::paged_decode_attention(qk.slice(1, 0, s.num_heads), keys, values,
                                                              s.block_tables, s.context_lens, s.scale);
   const at::Tensor mid = at::add(hidden, project(attn.view({T, -1}), w + kPerProjection, s.format, false));
@@ -92,7 +94,6 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                          const at::Tensor& block_tables, const at::Tensor& context_lens, std::string_view format,
                          int64_t num_heads, double scale, double eps) {
   TORCH_CHECK(hidden.dim() == 2 && key_pool.dim() == 5 && value_pool.dim() == 5, "hidden [T, C], pools 5-d");
-  TORCH_CHECK(hidden.scalar_type() == key_pool.scalar_type(), "the K/V pools hold the compute dtype");
   const int64_t num_layers = key_pool.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kPerLayer, "weights: 16 tensors a layer");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == num_layers * 2, "norms: 2 a layer");

@@ -62,7 +62,13 @@ inline void load_row(const at::BFloat16* src, int64_t n, float* dst) {
 }
 
 inline void load_row(const at::Half* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -286,10 +292,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "K/V dtypes");
   check_indices(block_tables, context_lens, key_pool.size(0), key_pool.size(1));
   auto out = at::empty(query.sizes(), query.options());
-  // The query and the cache share the engine's compute dtype (KVCache allocates in it).
+  // The query is in the engine's compute dtype, the cache in it too, or in 16 bits under float32
+  // (config.pick_kv_dtype): rows are widened to float32 as they are read either way.
   const auto q_type = query.scalar_type(), kv_type = key_pool.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat) {
     run<float, float>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
+  } else if (q_type == at::kFloat && kv_type == at::kHalf) {
+    run<float, at::Half>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
+  } else if (q_type == at::kFloat && kv_type == at::kBFloat16) {
+    run<float, at::BFloat16>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
   } else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16) {
     run<at::BFloat16, at::BFloat16>(query, key_pool, value_pool, block_tables, context_lens, scale, out);
   } else if (q_type == at::kHalf && kv_type == at::kHalf) {
