@@ -47,7 +47,7 @@ async def close_quietly(pubsub: PubSub) -> None:
     with suppress(*TRANSIENT_ERRORS):
         # Bounded: closing a connection whose reader was just cancelled can wait on a lock forever.
         async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S / 5):
-            await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8
+            await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed in redis 8.2
 
 
 async def listen(redis: Redis, channels: Sequence[str], resync: Callable[[], Awaitable[list[str]]], name: str,
