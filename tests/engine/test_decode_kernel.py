@@ -65,13 +65,13 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tab
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (4, 2, 20)])
 @pytest.mark.parametrize("lens", [[1], [37], [5, 70], [16, 1, 130, 47, 32, 9, 200, 3]])
 def test_operator_matches_float64_attention(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                                             lens: list[int]) -> None:
     """The three work splits (with 2 threads: one sequence by query head, two by KV head, eight by sequence),
-    lengths on and off block boundaries; head sizes 64 and 128 (unrolled) and 40 (the generic loop); GQA and
-    plain multi-head."""
+    lengths on and off block boundaries; head sizes 64 and 128 (unrolled), 40 (the generic loop) and 20 (not a
+    whole number of vectors: the scalar scores and tails); GQA and plain multi-head."""
     query, keys, values, tables, context = scattered_case(len(lens) * dim, lens, heads, kv_heads, dim, dtype)
     scale = dim ** -0.5
     out = torch.ops.tokenspool.paged_decode_attention(query, keys, values, tables, context, scale)
@@ -83,7 +83,7 @@ def test_operator_matches_float64_attention(dtype: torch.dtype, heads: int, kv_h
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 40)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 40), (4, 2, 20)])
 @pytest.mark.parametrize("lens", [[37], [5, 70], [16, 1, 130, 47, 32, 9, 200, 3]])
 def test_float32_queries_read_a_16_bit_cache(kv_dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                                              lens: list[int]) -> None:

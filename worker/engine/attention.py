@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from worker.engine.decode_attention import DecodeBatch, attend_decode, attend_group
+from worker.engine.decode_attention import DecodeBatch, DecodeGroup, attend_decode, attend_group
 from worker.engine.flex_attention import FlexStep, attend_flex
 from worker.engine.kv_cache import KVCache
 
@@ -84,6 +84,14 @@ def _attend_prefill(layer: int, query: torch.Tensor, chunk: PrefillChunk, ctx: P
     return out[0].transpose(0, 1)  # [n, H, D]
 
 
+def whole_step_group(meta: AttentionMetadata, num_tokens: int) -> DecodeGroup | None:
+    """The decode group holding all ``num_tokens`` of the step in order (a decode-only step of one group, e.g. one
+    stream's decode), else None; a flex step has no decode batch, so never one."""
+    if meta.decode is None or meta.prefills:
+        return None
+    return meta.decode.whole_step(num_tokens)
+
+
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: PagedContext,
                     scale: float) -> torch.Tensor:
     """Store this step's K/V of ``layer`` and attend. ``query``: [T, H, D]; ``key``/``value``: [T, kvh, D].
@@ -92,10 +100,9 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     """
     meta = ctx.metadata
     ctx.kv_cache.write(layer, meta.slot_mapping, key, value)
-    if meta.decode is not None and not meta.prefills:  # (a flex step has no decode batch)
-        whole = meta.decode.whole_step(query.shape[0])
-        if whole is not None:  # one group holds the step: no output buffer to fill (e.g. one stream's decode)
-            return attend_group(layer, query, whole, ctx.kv_cache, scale)
+    whole = whole_step_group(meta, query.shape[0])
+    if whole is not None:  # one group holds the step: no output buffer to fill
+        return attend_group(layer, query, whole, ctx.kv_cache, scale)
     out = torch.empty_like(query)
     if meta.flex is not None:
         attend_flex(layer, query, meta.flex, ctx.kv_cache, scale, out)

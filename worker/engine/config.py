@@ -368,6 +368,7 @@ def default_kv_budget(device: torch.device) -> int:
 def make_plan(config: EngineConfig, shape: ModelShape, device: torch.device, dtype: torch.dtype,
               kv_dtype: torch.dtype | None = None) -> EnginePlan:
     """Size the KV pool (of ``kv_dtype``, None: ``dtype``) and the context length for this model on this device."""
+    kv_dtype = kv_dtype or dtype
     model_len = shape.max_position_embeddings
     if config.max_model_len is not None:
         _check(config.max_model_len <= model_len, "max_model_len", f"<= the model's {model_len} positions",
@@ -377,7 +378,7 @@ def make_plan(config: EngineConfig, shape: ModelShape, device: torch.device, dty
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
         budget = config.kv_cache_bytes or default_kv_budget(device)
-        num_blocks = budget // kv_bytes_per_block(shape, config.block_size, kv_dtype or dtype)
+        num_blocks = budget // kv_bytes_per_block(shape, config.block_size, kv_dtype)
         num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
         if num_blocks < 1:
             raise ValueError(f"EngineConfig.kv_cache_bytes is too small for one KV block of this model, got {budget}")

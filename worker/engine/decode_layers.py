@@ -5,7 +5,8 @@ Python, 30 layers a step (SmolLM2), and between two kernels the second thread wa
 next. ``tokenspool::decode_layers`` runs the same loop in C++: the same operators and kernels in the same order,
 so its result is the Python loop's bit for bit. It serves a step when
 - every token is a single-token decode, attended in place by ``paged_decode_attention`` as the step's one group
-  (``DecodeBatch.whole_step`` with ``context_lens``: the ``"kernel"`` backend, no prefill chunk, no cascade group);
+  (``attention.whole_step_group`` with ``context_lens``: the ``"kernel"`` backend, no prefill chunk, no cascade
+  group);
 - there are at most ``max_rows`` of them, so every projection runs on its weight-only kernel (``FORMATS``);
 every other step keeps the Python loop.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.attention import PagedContext
+from worker.engine.attention import PagedContext, whole_step_group
 from worker.engine.linear import PackedLinear
 
 FORMATS = ("int4", "int8", "q4_1")  # linear.py's weight-only formats that the operator calls
@@ -56,14 +57,12 @@ def run_stack(stack: LayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: t
               ) -> torch.Tensor | None:
     """The layers' output ``[T, hidden]`` for this step (its K/V written), or None when the operator does not serve
     it (the caller runs the Python loop). ``cos``/``sin``: ``Decoder.rope_tables``."""
-    meta, num_tokens = ctx.metadata, hidden.shape[0]
-    if num_tokens > stack.max_rows or meta.decode is None or meta.prefills or meta.flex is not None:
-        return None
-    group = meta.decode.whole_step(num_tokens)
+    num_tokens = hidden.shape[0]
+    group = None if num_tokens > stack.max_rows else whole_step_group(ctx.metadata, num_tokens)
     if group is None or group.context_lens is None:
         return None
     kv_cache = ctx.kv_cache
     out: torch.Tensor = torch.ops.tokenspool.decode_layers(
-        hidden, cos, sin, stack.weights, stack.norms, kv_cache.key_pool, kv_cache.value_pool, meta.slot_mapping,
+        hidden, cos, sin, stack.weights, stack.norms, kv_cache.key_pool, kv_cache.value_pool, ctx.metadata.slot_mapping,
         group.block_tables, group.context_lens, stack.quantization, stack.num_heads, stack.scale, stack.eps)
     return out
