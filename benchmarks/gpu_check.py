@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +48,7 @@ ANCHOR_TARGET = 5.0  # engine tokens/s over transformers' continuous batching at
 MIN_AGREEMENT = {torch.float32: 1.0}
 LOW_PRECISION_AGREEMENT = 0.75
 DECODE_WARMUP_STEPS = 3
+CHECK_NAMES = ("parity", "decode", "profile", "prefill", "concurrent")  # in the order they run
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -72,24 +76,68 @@ def check_parity(engine, hf, vocab: int, num_prompts: int, max_tokens: int, seed
     return {"agreement": mean, "per_prompt": agreement, "required": required, "ok": mean >= required}
 
 
+def cuda_ms(fn: Callable[[], object], repeats: int = 10) -> float:
+    """Mean GPU milliseconds of ``fn`` over ``repeats`` calls after three warm-ups (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def graph_replay_ms(engine, batch: int, repeats: int = 50) -> float | None:
+    """GPU time of one replay of the CUDA graph that ran ``batch`` decodes (the forward alone: no scheduling,
+    sampling or buffer filling); None where no graph was captured (CPU, graphs off)."""
+    from worker.engine.cuda_graphs import pick_bucket
+
+    graphs = engine.runner.graphs
+    bucket = pick_bucket(batch, graphs.buckets) if graphs is not None else None
+    graph = graphs.graph(bucket) if bucket is not None else None
+    if graph is None:
+        return None
+    return cuda_ms(graph.replay, repeats)
+
+
 def decode_vs_bandwidth(engine, hf, batches: list[int], bandwidth_tbs: float, peak_tflops: float) -> list[dict]:
-    """Steady-state decode step time per batch size, and its multiple of the time to read the weights once."""
+    """Steady-state decode step time per batch size, and its multiple of the time to read the weights once; where
+    the step ran from a CUDA graph, also the graph's replay alone (the rest of a step is host work)."""
     bound = parameter_bytes(hf) / (bandwidth_tbs * 1e12)
     rows = []
     for batch in batches:
         e = decode_step_efficiency(engine, hf.config, batch, rate_gflops=peak_tflops * 1e3, steps=16,
                                    warmup_steps=DECODE_WARMUP_STEPS)
+        replay = graph_replay_ms(engine, batch)
         rows.append({"batch": batch, "step_ms": e["step_seconds"] * 1e3, "bound_ms": bound * 1e3,
                      "x_bound": e["step_seconds"] / bound, "tokens_per_s": batch / e["step_seconds"],
-                     "fraction_of_peak": e["fraction_of_matmul"]})
+                     "fraction_of_peak": e["fraction_of_matmul"], "replay_ms": replay,
+                     "replay_x_bound": replay and replay / (bound * 1e3)})
     return rows
+
+
+def profile_decode(engine, hf, batch: int, steps: int = 8) -> dict:
+    """The kernels (GPU) or ops (CPU) of ``steps`` steady decode steps at ``batch``, by self time: where a step's
+    time goes, for the next round of work on the decode path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = next(hf.parameters()).is_cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities)
+    decode_step_efficiency(engine, hf.config, batch, rate_gflops=1.0, steps=steps, warmup_steps=DECODE_WARMUP_STEPS,
+                           around=prof)
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return {"batch": batch, "steps": steps, "table": prof.key_averages().table(sort_by=sort, row_limit=25)}
 
 
 def prefill_vs_peak(engine, hf, num_prompts: int, prompt_len: int, peak_tflops: float) -> dict:
     """Prompt tokens/s of long prompts with one output token each, and the FLOP rate as a share of the peak."""
     rng = random.Random(1)
     vocab = hf.config.vocab_size
-    reqs = [Req([rng.randrange(3, vocab) for _ in range(prompt_len)], 1) for _ in range(num_prompts)]
+    warmup, *reqs = (Req([rng.randrange(3, vocab) for _ in range(prompt_len)], 1) for _ in range(num_prompts + 1))
+    run_engine(engine, [warmup])  # untimed: compiles attention for the chunk's shape
     seconds = run_engine(engine, reqs)
     tokens = num_prompts * prompt_len
     tflops = tokens * model_flops_per_token(hf.config, prompt_len // 2) / seconds / 1e12
@@ -107,7 +155,9 @@ def transformers_cb_config(num_requests: int, tokens_per_request: int, max_batch
         return None
 
     page = 256
-    return ContinuousBatchingConfig(page_size=page, num_blocks=num_requests * -(-tokens_per_request // page) + 8,
+    fields = inspect.signature(ContinuousBatchingConfig).parameters
+    size = {"page_size": page} if "page_size" in fields else {"block_size": page}  # renamed after 5.17
+    return ContinuousBatchingConfig(**size, num_blocks=num_requests * -(-tokens_per_request // page) + 8,
                                     max_batch_tokens=max_batch_tokens)
 
 
@@ -119,13 +169,17 @@ def concurrent_vs_transformers(engine, hf, num_requests: int, prompt_len: int, n
     the result, not raised: the rest of a timed GPU run is worth keeping."""
     rng = random.Random(2)
     vocab = hf.config.vocab_size
-    reqs = [Req([rng.randrange(3, vocab) for _ in range(prompt_len)], new_tokens) for _ in range(num_requests)]
+    # warm-up prompts of their own: the timed ones must not find their prefixes cached
+    warmup, reqs = ([Req([rng.randrange(3, vocab) for _ in range(prompt_len)], new_tokens)
+                     for _ in range(num_requests)] for _ in range(2))
     tokens = num_requests * new_tokens
+    run_engine(engine, warmup)  # untimed: any shape new to this workload (a kernel compile, a graph capture)
     engine_tps = tokens / run_engine(engine, reqs)
     result = {"requests": num_requests, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "engine_tps": engine_tps, "transformers_cb_tps": None, "ratio": None, "error": None}
     try:
         cb_config = transformers_cb_config(num_requests, prompt_len + new_tokens, max_batch_tokens)
+        run_hf_continuous(hf, warmup, cb_config)  # untimed, as for the engine
         result["transformers_cb_tps"] = tokens / run_hf_continuous(hf, reqs, cb_config)
         result["ratio"] = engine_tps / result["transformers_cb_tps"]
     except Exception as exc:  # noqa: BLE001  # recorded in the JSON and printed
@@ -134,42 +188,85 @@ def concurrent_vs_transformers(engine, hf, num_requests: int, prompt_len: int, n
     return result
 
 
-def check_shape(name: str, args: argparse.Namespace) -> dict:
-    """Build one random model, load it into the engine from a temporary folder, and run every check on it."""
+def failure(exc: BaseException) -> dict:
+    """A failed step as the report records it (the run goes on: the rest of a timed GPU run is worth keeping)."""
+    print(traceback.format_exc(), flush=True)
+    return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def engine_configurations(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(attention, cuda_graphs) to try in order: the asked-for one, then with ``--fallback`` the same attention
+    without graphs and the plain path (sdpa, no graphs)."""
+    tried = [(args.attention, args.cuda_graphs)]
+    if args.fallback:
+        tried += [(args.attention, "off"), ("sdpa", "off")]
+    return list(dict.fromkeys(tried))
+
+
+def load_engine(folder: str, args: argparse.Namespace, result: dict):
+    """The engine on the first configuration that loads and runs a warm-up request (which also compiles its first
+    kernels); each one that fails is recorded in ``result["engine_errors"]``."""
     from worker.engine import Engine, EngineConfig
 
+    for attention, cuda_graphs in engine_configurations(args):
+        try:
+            engine = Engine(EngineConfig(model=folder, device=args.device, dtype=args.dtype, max_num_seqs=256,
+                                         max_num_batched_tokens=args.max_batched_tokens,
+                                         max_model_len=args.max_model_len, kv_cache_bytes=args.kv_gib << 30,
+                                         attention_backend=attention, cuda_graphs=cuda_graphs))
+            run_engine(engine, [Req(list(range(3, 35)), 8)])  # warm-up: allocations, kernel selection, compiles
+            return engine
+        except Exception as exc:  # noqa: BLE001  # recorded; the next configuration is tried
+            result.setdefault("engine_errors", []).append({"attention": attention, "cuda_graphs": cuda_graphs,
+                                                           **failure(exc)})
+            gc.collect()
+    return None
+
+
+def check_shape(name: str, args: argparse.Namespace, result: dict, save: Callable[[], None]) -> None:
+    """Build one random model, load it into the engine from a temporary folder, and run every check on it, filling
+    ``result`` and calling ``save`` after each check; a check that fails or comes after ``args.deadline_s`` is
+    recorded as such and the rest still run."""
     shape, tiny = SHAPES[name], name.endswith("-tiny")
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     hf = build_model(shape, args.device, dtype)
+    result.update({"shape": vars(shape), "parameter_bytes": parameter_bytes(hf), "seconds": {}})
     with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as folder:
         save_model_folder(hf, Path(folder))
-        engine = Engine(EngineConfig(model=folder, device=args.device, dtype=args.dtype, max_num_seqs=256,
-                                     max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
-                                     kv_cache_bytes=args.kv_gib << 30, attention_backend=args.attention,
-                                     cuda_graphs=args.cuda_graphs))
-    setup_s = time.perf_counter() - start
-    run_engine(engine, [Req(list(range(3, 35)), 8)])  # warm-up: first-call allocations and kernel selection
-    result: dict = {"shape": vars(shape), "parameter_bytes": parameter_bytes(hf), "seconds": {"setup": setup_s},
-                    "attention_backend": engine.runner.attention_backend, "cuda_graphs": engine.runner.cuda_graphs}
+        engine = load_engine(folder, args, result)
+    result["seconds"]["setup"] = time.perf_counter() - start
+    save()
+    if engine is None:
+        return
+    result.update({"attention_backend": engine.runner.attention_backend, "cuda_graphs": engine.runner.cuda_graphs})
     checks = (
         ("parity", check_parity, (engine, hf, shape.vocab_size, 4, 16 if tiny else 32)),
         ("decode", decode_vs_bandwidth, (engine, hf, args.batches, args.bandwidth_tbs, args.peak_tflops)),
+        *((("profile", profile_decode, (engine, hf, args.profile_batch)),) if args.profile_batch else ()),
         ("prefill", prefill_vs_peak, (engine, hf, 4 if tiny else 16, 64 if tiny else 2048, args.peak_tflops)),
         ("concurrent", concurrent_vs_transformers, (engine, hf, args.concurrent, 32 if tiny else 128,
                                                     16 if tiny else 128, args.max_batched_tokens)),
     )
     for key, check, check_args in checks:
+        if key not in args.checks:
+            continue
+        if args.deadline_s is not None and time.perf_counter() - args.started > args.deadline_s:
+            result[key] = {"skipped": f"past the {args.deadline_s:.0f} s deadline"}
+            continue
         began = time.perf_counter()
-        result[key] = check(*check_args)
+        try:
+            result[key] = check(*check_args)
+        except Exception as exc:  # noqa: BLE001  # recorded in the JSON and printed
+            result[key] = failure(exc)
         result["seconds"][key] = time.perf_counter() - began
+        save()
     print(f"{name}: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["seconds"].items()), flush=True)
     del checks
     del engine, hf
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return result
 
 
 def targets(shapes: dict[str, dict]) -> dict[str, dict]:
@@ -177,8 +274,9 @@ def targets(shapes: dict[str, dict]) -> dict[str, dict]:
     one_b = shapes.get("llama-1b") or shapes.get("llama-1b-tiny")
     if one_b is None:
         return {}
-    batch1 = next((d for d in one_b["decode"] if d["batch"] == 1), None)
-    ratio = one_b["concurrent"]["ratio"]
+    decode = one_b.get("decode")
+    batch1 = next((d for d in decode if d["batch"] == 1), None) if isinstance(decode, list) else None
+    ratio = one_b.get("concurrent", {}).get("ratio")
     return {
         "decode_batch1_x_bound": {"value": batch1 and batch1["x_bound"], "target": f"<= {DECODE_TARGET}",
                                   "met": bool(batch1 and batch1["x_bound"] <= DECODE_TARGET)},
@@ -187,26 +285,76 @@ def targets(shapes: dict[str, dict]) -> dict[str, dict]:
     }
 
 
+def unfinished(section: object) -> str | None:
+    """Why a check has no numbers (it failed, was skipped or never ran), else None."""
+    if not isinstance(section, dict):
+        return None if section is not None else "not run"
+    return section.get("error") or section.get("skipped")
+
+
+def decode_cells(section: object, batches: list[int]) -> str:
+    """One cell per batch: step ms (x bound), and the graph replay alone where one ran."""
+    why = unfinished(section) if not isinstance(section, list) else None
+    if why is not None or not isinstance(section, list):
+        return " | ".join([f"{why}"] * len(batches))
+    return " | ".join(f"{d['step_ms']:.2f} ({d['x_bound']:.1f}x)"
+                      + (f"; graph {d['replay_ms']:.2f} ({d['replay_x_bound']:.1f}x)" if d.get("replay_ms") else "")
+                      for d in section)
+
+
+def shape_row(name: str, s: dict, batches: list[int]) -> str:
+    """A shape's row: parity, decode per batch, prefill, concurrent; a failed or skipped check says so."""
+    parity, prefill, concurrent = s.get("parity"), s.get("prefill"), s.get("concurrent")
+    parity_cell = unfinished(parity) or f"{parity['agreement']:.0%} ({'ok' if parity['ok'] else 'FAIL'})"
+    prefill_cell = unfinished(prefill) or f"{prefill['tokens_per_s']:.0f} ({prefill['fraction_of_peak']:.1%})"
+    anchor = unfinished(concurrent) or (
+        f"{concurrent['engine_tps']:.0f} / {concurrent['transformers_cb_tps']:.0f} = {concurrent['ratio']:.1f}x"
+        if concurrent["ratio"] else f"{concurrent['engine_tps']:.0f} / failed")
+    return f"| {name} | {parity_cell} | {decode_cells(s.get('decode'), batches)} | {prefill_cell} | {anchor} |"
+
+
 def render_table(report: dict) -> str:
     """The per-shape numbers as a markdown table, for the console and docs/performance.md."""
+    hardware = report.get("measured") or {}
     lines = [f"device: {report['device_name']} ({report['device']}, {report['dtype']}); torch {report['torch']}, "
              f"transformers {report['transformers']}; bounds: {report['bandwidth_tbs']} TB/s, "
-             f"{report['peak_tflops']} TFLOP/s",
+             f"{report['peak_tflops']} TFLOP/s"
+             + (f" (measured in this run: {hardware['copy_tbs']:.2f} TB/s, {hardware['bf16_tflops']:.0f} TFLOP/s)"
+                if hardware else ""),
              "engine: " + "; ".join(f"{n}: attention {s.get('attention_backend')}, cuda graphs {s.get('cuda_graphs')}"
                                     for n, s in report["shapes"].items()), "",
              "| shape | parity | " + " | ".join(f"decode b{b} ms (x bound)" for b in report["batches"])
              + f" | prefill tok/s (of peak) | {report['concurrent']} concurrent: engine / transformers CB tok/s |",
              "|---|---|" + "---:|" * (len(report["batches"]) + 2)]
+    lines += [shape_row(name, s, report["batches"]) for name, s in report["shapes"].items()]
     for name, s in report["shapes"].items():
-        decode = " | ".join(f"{d['step_ms']:.2f} ({d['x_bound']:.1f}x)" for d in s["decode"])
-        c, p = s["concurrent"], s["prefill"]
-        anchor = (f"{c['engine_tps']:.0f} / {c['transformers_cb_tps']:.0f} = {c['ratio']:.1f}x" if c["ratio"]
-                  else f"{c['engine_tps']:.0f} / failed")
-        lines.append(f"| {name} | {s['parity']['agreement']:.0%} ({'ok' if s['parity']['ok'] else 'FAIL'}) | "
-                     f"{decode} | {p['tokens_per_s']:.0f} ({p['fraction_of_peak']:.1%}) | {anchor} |")
+        lines += [f"\n{name}: engine {e['attention']}/{e['cuda_graphs']} failed: {e['error']}"
+                  for e in s.get("engine_errors", [])]
     for key, t in report["targets"].items():
         lines.append(f"\ntarget {key}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'MISSED'}")
     return "\n".join(lines) + "\n"
+
+
+def copy_tbs(device: str, nbytes: int = 1 << 32) -> float:
+    """Device-to-device copy bandwidth, counting bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / cuda_ms(lambda: dst.copy_(src)) / 1e9
+
+
+def matmul_tflops(device: str, n: int = 8192) -> float:
+    """Dense bf16 matrix product rate on random data."""
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    return 2 * n ** 3 / cuda_ms(lambda: a @ b) / 1e9
+
+
+def measure_hardware(device: str) -> dict | None:
+    """This GPU's copy bandwidth and bf16 matmul rate, beside the fixed bounds the targets use; None on CPU."""
+    if not device.startswith("cuda"):
+        return None
+    measured = {"copy_tbs": copy_tbs(device), "bf16_tflops": matmul_tflops(device)}
+    torch.cuda.empty_cache()
+    return measured
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -225,6 +373,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/gpu_check.json or "
                         "benchmarks/results/gpu_check.json)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="skip the checks that would start later than this (the report is written after each)")
+    parser.add_argument("--checks", default=",".join(CHECK_NAMES),
+                        help="which checks to run (profile only with --profile-batch)")
+    parser.add_argument("--profile-batch", type=int, default=None,
+                        help="also profile decode steps at this batch size (kernels by GPU time, in the report)")
+    parser.add_argument("--fallback", action="store_true",
+                        help="if the engine fails to load or warm up, try again with sdpa attention and no graphs")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -232,6 +388,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.shapes = (args.shapes or ("smollm2-tiny,llama-1b-tiny" if args.tiny else "smollm2-135m,llama-1b")).split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.checks = set(args.checks.split(","))
+    if args.checks - set(CHECK_NAMES):
+        parser.error(f"unknown checks {sorted(args.checks - set(CHECK_NAMES))}; known: {', '.join(CHECK_NAMES)}")
     args.max_batched_tokens, args.max_model_len = (512, 1024) if args.tiny else (8192, 4096)
     args.kv_gib = 16 if cuda else 1
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" / "results"
@@ -243,18 +402,26 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     args = parse_args(argv)
-    start = time.perf_counter()
-    shapes = {}
+    args.started = time.perf_counter()
+    cuda = args.device.startswith("cuda")
+    shapes: dict[str, dict] = {}
+    report = {"device": args.device, "device_name": torch.cuda.get_device_name(args.device) if cuda else "cpu",
+              "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+              "bandwidth_tbs": args.bandwidth_tbs, "peak_tflops": args.peak_tflops, "batches": args.batches,
+              "concurrent": args.concurrent, "measured": measure_hardware(args.device), "shapes": shapes,
+              "complete": False}
+
+    def save() -> None:
+        report.update(targets=targets(shapes), seconds=time.perf_counter() - args.started)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
     for name in args.shapes:
-        shapes[name] = check_shape(name, args)
-        print(f"{name}: done at {time.perf_counter() - start:.0f} s", flush=True)
-    device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
-    report = {"device": args.device, "device_name": device_name, "dtype": args.dtype, "torch": torch.__version__,
-              "transformers": transformers.__version__, "bandwidth_tbs": args.bandwidth_tbs,
-              "peak_tflops": args.peak_tflops, "batches": args.batches, "concurrent": args.concurrent, "shapes": shapes,
-              "targets": targets(shapes), "seconds": time.perf_counter() - start}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+        shapes[name] = {}
+        check_shape(name, args, shapes[name], save)
+        print(f"{name}: done at {time.perf_counter() - args.started:.0f} s", flush=True)
+    report["complete"] = True
+    save()
     print(render_table(report))
     return 0
 

@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -175,9 +176,10 @@ def run_engine(engine, reqs: list[Req]) -> float:
 
 
 def decode_step_efficiency(engine, config, batch: int, rate_gflops: float, steps: int = 16,
-                           warmup_steps: int = 0) -> dict[str, float]:
+                           warmup_steps: int = 0, around: AbstractContextManager | None = None) -> dict[str, float]:
     """Time steady-state decode steps at ``batch`` running requests; FLOPs achieved vs the matmul rate.
-    ``warmup_steps`` untimed decode steps first (a CUDA graph's capture, a kernel's compilation for the shape)."""
+    ``warmup_steps`` untimed decode steps first (a CUDA graph's capture, a kernel's compilation for the shape);
+    ``around``: entered around the timed steps (a profiler)."""
     from worker.engine import SamplingParams
 
     prompt_len = 64
@@ -188,10 +190,11 @@ def decode_step_efficiency(engine, config, batch: int, rate_gflops: float, steps
         pass
     for _ in range(warmup_steps):
         engine.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    seconds = (time.perf_counter() - start) / steps
+    with around or nullcontext():
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        seconds = (time.perf_counter() - start) / steps
     for i in range(batch):
         engine.abort(f"decode-{i}")
     flops = batch * model_flops_per_token(config, prompt_len + warmup_steps + steps)

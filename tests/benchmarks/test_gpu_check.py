@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu_check import common_prefix, main, render_table, targets
+from benchmarks.gpu_check import common_prefix, main, render_table, targets, transformers_cb_config
 from benchmarks.random_models import SHAPES, build_model, parameter_bytes, save_model_folder, word_level_tokenizer
 
 
@@ -54,6 +54,64 @@ def test_targets_are_judged_on_the_1b_shape() -> None:
     missed = targets(_report(2.6, None))
     assert not missed["decode_batch1_x_bound"]["met"] and not missed["concurrent_x_transformers_cb"]["met"]
     assert targets({"smollm2-135m": {}}) == {}
+
+
+def test_targets_are_missed_when_a_check_failed() -> None:
+    failed = targets({"llama-1b": {"decode": {"error": "RuntimeError: boom"}, "concurrent": {"skipped": "deadline"}}})
+    assert not failed["decode_batch1_x_bound"]["met"] and not failed["concurrent_x_transformers_cb"]["met"]
+
+
+def test_transformers_cb_config_gives_both_sides_the_same_room() -> None:
+    config = transformers_cb_config(num_requests=4, tokens_per_request=300, max_batch_tokens=512)
+    assert config is not None  # the installed transformers has one
+    page = getattr(config, "page_size", None) or config.block_size  # the field's name changed after 5.17
+    assert (page, config.num_blocks, config.max_batch_tokens) == (256, 4 * 2 + 8, 512)
+
+
+def test_a_deadline_skips_the_checks_and_still_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    assert main(["--device", "cpu", "--tiny", "--shapes", "smollm2-tiny", "--deadline-s", "0",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    shape = report["shapes"]["smollm2-tiny"]
+    assert report["complete"] and shape["attention_backend"] == "sdpa"  # the engine loaded; no check ran
+    assert all(shape[k] == {"skipped": "past the 0 s deadline"} for k in ("parity", "decode", "prefill", "concurrent"))
+    assert "| smollm2-tiny | past the 0 s deadline |" in render_table(report)
+
+
+def test_checks_can_be_chosen_and_unknown_ones_are_refused(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    assert main(["--device", "cpu", "--tiny", "--shapes", "smollm2-tiny", "--checks", "decode", "--batches", "1",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    shape = report["shapes"]["smollm2-tiny"]
+    assert [d["batch"] for d in shape["decode"]] == [1] and not {"parity", "prefill", "concurrent"} & set(shape)
+    assert "| smollm2-tiny | not run |" in render_table(report)
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--tiny", "--checks", "decode,latency"])
+
+
+def test_an_engine_that_fails_to_load_falls_back_to_the_plain_path(tmp_path: Path) -> None:
+    """sdpa with CUDA graphs 'on' is refused by the engine's config; ``--fallback`` records why, then loads sdpa
+    without graphs and runs the checks there (a decode profile among them)."""
+    out = tmp_path / "gpu_check.json"
+    assert main(["--device", "cpu", "--tiny", "--shapes", "smollm2-tiny", "--batches", "1", "--concurrent", "2",
+                 "--attention", "sdpa", "--cuda-graphs", "on", "--fallback", "--profile-batch", "2",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    shape = report["shapes"]["smollm2-tiny"]
+    [error] = shape["engine_errors"]
+    assert (error["attention"], error["cuda_graphs"]) == ("sdpa", "on") and "cuda_graphs" in error["error"]
+    assert (shape["attention_backend"], shape["cuda_graphs"]) == ("sdpa", "off")
+    assert shape["parity"]["ok"] and shape["decode"][0]["replay_ms"] is None  # no graph on CPU
+    assert shape["profile"]["batch"] == 2 and "aten::" in shape["profile"]["table"]  # ops by CPU time
+    assert "engine sdpa/on failed" in render_table(report)
+    no_fallback = tmp_path / "no_fallback.json"
+    assert main(["--device", "cpu", "--tiny", "--shapes", "smollm2-tiny", "--attention", "sdpa", "--cuda-graphs",
+                 "on", "--out", str(no_fallback)]) == 0
+    shape = json.loads(no_fallback.read_text())["shapes"]["smollm2-tiny"]
+    assert len(shape["engine_errors"]) == 1 and "parity" not in shape
+    assert "| smollm2-tiny | not run |" in render_table(json.loads(no_fallback.read_text()))
 
 
 def test_cuda_is_refused_with_a_hint_when_torch_sees_no_gpu() -> None:

@@ -119,6 +119,12 @@ class DecodeGraphs:
         graph.replay()
         return logits[:len(chunks)].clone()  # the next replay overwrites the static output
 
+    def graph(self, bucket: int) -> torch.cuda.CUDAGraph | None:
+        """The graph captured for ``bucket``: None before the bucket's first step, and always without capture.
+        Replaying it repeats the bucket's last step (the GPU check times replays alone against whole steps)."""
+        entry = self._graphs.get(bucket)
+        return entry[0] if entry is not None else None
+
     def _fill(self, static: StaticDecode, chunks: Sequence[ScheduledChunk]) -> None:
         """Write the step into the bucket's buffers; rows past ``len(chunks)`` become padding."""
         pad = static.input_ids.shape[0] - len(chunks)
