@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu_check import common_prefix, main, render_table, targets, transformers_cb_config
+from benchmarks.gpu_check import (
+    common_prefix,
+    divergence,
+    main,
+    parity_summary,
+    render_table,
+    targets,
+    transformers_cb_config,
+)
 from benchmarks.random_models import SHAPES, build_model, parameter_bytes, save_model_folder, word_level_tokenizer
 
 
@@ -17,6 +25,31 @@ def test_common_prefix_counts_tokens_before_the_first_difference() -> None:
     assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
     assert common_prefix([5, 6], [5, 6]) == 2
     assert common_prefix([7], [8, 9]) == 0
+
+
+def test_a_divergence_is_rated_by_transformers_own_logits() -> None:
+    """The engine's token where it leaves transformers' greedy path: transformers' runner-up is a near tie (rank 1,
+    a small margin), its last choice is not (the last rank, a margin of most of the top logit)."""
+    model = build_model(SHAPES["smollm2-tiny"], "cpu", torch.float32)
+    prompt = [5, 9, 13, 200]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                             do_sample=False, max_new_tokens=6, min_new_tokens=6)[0, 4:].tolist()
+        ranked = model(torch.tensor([prompt + ref[:3]])).logits[0, -1].argsort(descending=True).tolist()
+    assert divergence(model, prompt, ref, ref) is None
+    runner_up = divergence(model, prompt, ref, ref[:3] + [ranked[1], 7, 7])
+    last = divergence(model, prompt, ref, ref[:3] + [ranked[-1], 7, 7])
+    assert runner_up is not None and last is not None
+    assert (runner_up["position"], runner_up["engine_token_rank"]) == (3, 1) and runner_up["margin"] >= 0
+    assert last["engine_token_rank"] == len(ranked) - 1 and last["relative_margin"] > runner_up["relative_margin"]
+
+
+def test_parity_passes_on_agreement_or_when_every_divergence_is_a_near_tie() -> None:
+    tie = {"position": 3, "relative_margin": 0.001}
+    assert parity_summary({"agreement": 0.9, "required": 0.75, "ok": True}) == "90% (ok)"
+    assert parity_summary({"agreement": 0.2, "required": 0.75, "ok": True, "divergences": [tie, None, tie]}) == (
+        "20% (ok: 2 near ties)")
+    assert parity_summary({"agreement": 0.2, "required": 0.75, "ok": False, "divergences": [tie]}) == "20% (FAIL)"
 
 
 def test_word_level_tokenizer_round_trips_every_id() -> None:
@@ -100,12 +133,13 @@ def test_an_engine_that_fails_to_load_falls_back_to_the_plain_path(tmp_path: Pat
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     shape = report["shapes"]["smollm2-tiny"]
-    [error] = shape["engine_errors"]
-    assert (error["attention"], error["cuda_graphs"]) == ("sdpa", "on") and "cuda_graphs" in error["error"]
-    assert (shape["attention_backend"], shape["cuda_graphs"]) == ("sdpa", "off")
+    tried = [(e["attention_backend"], e["cuda_graphs"], e["compile_pointwise"]) for e in shape["engine_errors"]]
+    assert tried == [("sdpa", "on", "auto"), ("sdpa", "on", "off")]  # then without graphs: sdpa/off/off loads
+    assert all("cuda_graphs" in e["error"] for e in shape["engine_errors"])
+    assert (shape["attention_backend"], shape["cuda_graphs"], shape["pointwise"]) == ("sdpa", "off", "transformers")
     assert shape["parity"]["ok"] and shape["decode"][0]["replay_ms"] is None  # no graph on CPU
     assert shape["profile"]["batch"] == 2 and "aten::" in shape["profile"]["table"]  # ops by CPU time
-    assert "engine sdpa/on failed" in render_table(report)
+    assert "engine sdpa/on/auto failed" in render_table(report)
     no_fallback = tmp_path / "no_fallback.json"
     assert main(["--device", "cpu", "--tiny", "--shapes", "smollm2-tiny", "--attention", "sdpa", "--cuda-graphs",
                  "on", "--out", str(no_fallback)]) == 0
@@ -140,7 +174,7 @@ def test_tiny_cpu_run_covers_every_check(tmp_path: Path) -> None:
     assert set(report["targets"]) == {"decode_batch1_x_bound", "concurrent_x_transformers_cb"}
     table = render_table(report)
     assert "| smollm2-tiny | 100% (ok) |" in table and "8 concurrent" in table
-    assert "smollm2-tiny: attention sdpa, cuda graphs off" in table  # CPU's auto: today's path
+    assert "smollm2-tiny: attention sdpa, cuda graphs off, pointwise transformers" in table  # CPU's auto, float32
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ from tests.engine.helpers import mixed_workload
 from tests.engine.test_engine_parity import check_parity
 from worker.engine import Engine, EngineConfig, decode_kernel
 from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
-from worker.engine.decoder import rms_norm, rope, silu_and_mul
 from worker.engine.linear import pack_q4_1
+from worker.engine.pointwise import rms_norm, rope, silu_and_mul
 
 BLOCK = 16
 

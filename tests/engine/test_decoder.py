@@ -19,15 +19,18 @@ from worker.engine.decoder import Decoder
 from worker.engine.model_runner import ModelRunner
 
 BLOCK = 8  # tokens a KV block (decoder_logits gives each sequence 8 blocks)
+# inductor's import (the compiled pointwise steps) warns about a deprecated torch.jit API it uses
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
-def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = None, kernels: bool = False
-            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = None, kernels: bool = False,
+            compiled: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(decoder logits, transformers logits) per sequence, both from weights loaded in float32 and run in ``dtype``;
     ``kernels``: with tokenspool's C++ operators (fused norms, RoPE, SiLU-and-multiply, the K/V write; a q8_0
-    head)."""
+    head); ``compiled``: those steps compiled by inductor instead (the CUDA form, here inductor's C++)."""
     source = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    decoder = Decoder(source, dtype, quantization, kernels=kernels)
+    decoder = Decoder(source, dtype, quantization, kernels=kernels, compiled=compiled)
+    assert decoder.ops.kind == ("operators" if kernels else "compiled" if compiled else "eager")
     # The runner only lays out the steps and holds the KV cache, in ``dtype``; ``decoder`` computes them.
     runner = ModelRunner(EngineConfig(model=str(model_path), dtype=str(dtype).removeprefix("torch."),
                                       block_size=BLOCK, num_kv_blocks=16, device="cpu"), model_path)
@@ -41,24 +44,25 @@ def compare(model_path: Path, dtype: torch.dtype, quantization: str | None = Non
     return list(zip(got, expected, strict=True))
 
 
-@pytest.fixture(params=[False, True], ids=["torch-ops", "operators"])
-def kernels(request: pytest.FixtureRequest) -> bool:
-    """Both forms of the decoder's small steps: torch's ops, and tokenspool's C++ operators (built here)."""
-    if request.param:
+@pytest.fixture(params=["eager", "operators", "compiled"])
+def pointwise(request: pytest.FixtureRequest) -> dict[str, bool]:
+    """Every form of the decoder's small steps (``pointwise.py``): torch's ops, tokenspool's C++ operators (built
+    here), and inductor-compiled kernels (what CUDA runs; inductor's C++ on this CPU)."""
+    if request.param == "operators":
         assert load_decode_kernel() is None, "the C++ operators must build where the tests run"
-    return bool(request.param)
+    return {"kernels": request.param == "operators", "compiled": request.param == "compiled"}
 
 
-def test_float32_decoder_equals_transformers_forward(tiny_model: Path, kernels: bool) -> None:
+def test_float32_decoder_equals_transformers_forward(tiny_model: Path, pointwise: dict[str, bool]) -> None:
     """Llama and Qwen2 (q/k/v biases): float32 logits agree to float rounding (measured: 2e-6 of their spread)."""
-    for got, expected in compare(tiny_model, torch.float32, kernels=kernels):
+    for got, expected in compare(tiny_model, torch.float32, **pointwise):
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=2e-5 * float(expected.std()), rtol=0)
 
 
-def test_bfloat16_decoder_is_close_to_transformers_bfloat16(tiny_model: Path, kernels: bool) -> None:
+def test_bfloat16_decoder_is_close_to_transformers_bfloat16(tiny_model: Path, pointwise: dict[str, bool]) -> None:
     """bf16 against transformers in bf16: a few bf16 roundings apart (measured: 0.2-0.4% relative error)."""
-    for got, expected in compare(tiny_model, torch.bfloat16, kernels=kernels):
+    for got, expected in compare(tiny_model, torch.bfloat16, **pointwise):
         assert float((got - expected).norm() / expected.norm()) < 0.01
 
 

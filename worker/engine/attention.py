@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from worker.engine.decode_attention import DecodeBatch, DecodeGroup, attend_decode, attend_group
-from worker.engine.flex_attention import FlexStep, attend_flex
+from worker.engine.flex_attention import FlexStep, attend_flex, flex_rows
 from worker.engine.kv_cache import KVCache
 
 PAGED_ATTENTION_NAME = "tokenspool_paged"
@@ -103,6 +103,9 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     whole = whole_step_group(meta, query.shape[0])
     if whole is not None:  # one group holds the step: no output buffer to fill
         return attend_group(layer, query, whole, ctx.kv_cache, scale)
+    flex = meta.flex
+    if flex is not None and len(flex.calls) == 1 and flex.calls[0].whole_step(query.shape[0]):
+        return flex_rows(layer, query, flex.calls[0], flex, ctx.kv_cache, scale).to(query.dtype)  # no scatter
     out = torch.empty_like(query)
     if meta.flex is not None:
         attend_flex(layer, query, meta.flex, ctx.kv_cache, scale, out)

@@ -25,6 +25,7 @@ QUANTIZATIONS = (None, "none", "auto", "int8", "int4", "fp16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "kernel", "flex")
 FLEX_CPU_BLOCK_MULTIPLE = 16  # KV block sizes inductor's CPU flex kernel got right everywhere it was tried
 CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
+COMPILE_POINTWISE_MODES = ("auto", "off", "on")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
 # tiles always do. AVX512-BF16 without AMX depends on the CPU, so it is measured (``bf16_matmul_speedup``): on an
 # AMD EPYC (Zen 4) SmolLM2 decode steps at 32 rows ran 2.3x faster in bf16, on a Xeon model 207 without AMX 7-13%
@@ -104,6 +105,9 @@ class EngineConfig:
     ``"on"`` (CUDA with flex), ``"off"``, ``"padded"`` (the same static, padded buffers without the capture, on
     any device: the graph path's arithmetic, testable on CPU) or ``"auto"``: on with CUDA, the flex backend and
     the engine's own decoder, else off.
+    ``compile_pointwise``: the own decoder's norms, RoPE and SiLU-and-multiply as inductor-compiled kernels
+    (``pointwise.py``) where tokenspool's C++ operators do not run them: ``"on"``, ``"off"`` (torch ops) or
+    ``"auto"``: on CUDA.
     """
 
     model: str = "smollm2"
@@ -128,6 +132,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: str = "auto"
     kv_cache_dtype: str | None = None
+    compile_pointwise: str = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", "a model name or path", self.model)
@@ -164,6 +169,8 @@ class EngineConfig:
         _check(self.cuda_graphs not in ("on", "padded") or self.attention_backend in ("auto", "flex"), "cuda_graphs",
                "'auto' or 'off' unless attention_backend is 'flex' (graphs need flex's static shapes)",
                self.cuda_graphs)
+        _check(self.compile_pointwise in COMPILE_POINTWISE_MODES, "compile_pointwise", "'auto', 'off' or 'on'",
+               self.compile_pointwise)
 
 
 @dataclass(frozen=True)
@@ -236,6 +243,13 @@ def pick_cuda_graphs(config: EngineConfig, device: torch.device, backend: str, o
     _check(config.cuda_graphs != "on" or device.type == "cuda", "cuda_graphs", "'on' only on a CUDA device",
            config.cuda_graphs)
     return config.cuda_graphs
+
+
+def pick_compile_pointwise(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the own decoder compiles its pointwise steps (where the C++ operators do not run them)."""
+    if config.compile_pointwise == "auto":
+        return device.type == "cuda"
+    return config.compile_pointwise == "on"
 
 
 def cpu_flags() -> frozenset[str]:

@@ -26,19 +26,19 @@ from transformers import PreTrainedModel
 from worker.engine.attention import PagedContext, paged_attention
 from worker.engine.decode_layers import LayerStack, run_stack, stack_layers
 from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, keeps_half, prepacks
+from worker.engine.pointwise import Pointwise, make_pointwise
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
 @dataclass(frozen=True)
 class DecoderShape:
-    """Head geometry and norm epsilon of the decoder."""
+    """Head geometry of the decoder."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    rms_norm_eps: torch.Tensor  # 0-d, float32
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
@@ -78,33 +78,6 @@ class DecoderLayer(nn.Module):
         self.projections = (self.qkv.forward, self.o.forward, self.gate_up.forward, self.down.forward)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Llama's RMSNorm, in float32 (``weight`` is float32), rounded once to the input dtype. ``eps``: a 0-d
-    float32 tensor.
-
-    Spelled out, not ``F.rms_norm``: on CPU that is a composite of ~10 ops with dtype plumbing, 20-40 us per call
-    on a [1, 576] row, and a decode step makes 61 calls. ``eps + sum(x^2) / n`` as one ``add`` with ``alpha``
-    (against transformers' ``mean`` and a Python-scalar add: a ``mean`` costs twice a ``sum`` on a row, and a
-    scalar operand is wrapped in a tensor per call) ran 17 us against 24 (AMD EPYC, one row).
-    """
-    x32 = x if x.dtype == torch.float32 else x.float()  # a no-op .float() still costs a dispatch
-    mean_square = torch.add(eps, x32.square().sum(-1, keepdim=True), alpha=1 / x.shape[-1])  # [T, 1]
-    normed = x32 * torch.rsqrt(mean_square) * weight
-    return normed if x.dtype == torch.float32 else normed.to(x.dtype)
-
-
-def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on q and k heads at once: ``qk`` [T, heads, D], ``cos``/``sin`` [T, 1, D] (``Decoder.rope_tables``,
-    sin's first half negated), so that ``roll`` by D/2 stands in for ``rotate_half``."""
-    return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's ``silu(gate) * up`` of a fused ``[T, 2 I]`` projection -> [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def head_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: bool = False
                       ) -> str | None:
     """The LM head's weights under the layers' ``quantization``: never int4 (GGUF files keep the head at 8 bits,
@@ -134,10 +107,11 @@ class Decoder(nn.Module):
     """A Llama/Qwen2 causal LM over the paged KV cache. ``config``/``generation_config``: the source model's;
     ``kernels``: tokenspool's C++ operators are loaded (on a CPU): the LM head takes q8_0 (``head_quantization``)
     under quantisation, and each layer's norms, RoPE and SiLU-and-multiply run as one operator each
-    (``csrc/fused.cpp``) instead of the torch ops below (which run elsewhere: CUDA, or no compiler)."""
+    (``csrc/fused.cpp``); else ``compiled``: as one inductor kernel each (CUDA), else as torch ops
+    (``pointwise.py``)."""
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, quantization: str | None = None,
-                 max_rows: int = QUANTIZED_MAX_ROWS, kernels: bool = False) -> None:
+                 max_rows: int = QUANTIZED_MAX_ROWS, kernels: bool = False, compiled: bool = False) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason is not None:
@@ -148,14 +122,15 @@ class Decoder(nn.Module):
         inner = model.model
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.embed = inner.embed_tokens.weight.detach().to(dtype)  # [V, hidden]
-        eps = torch.tensor(config.rms_norm_eps, dtype=torch.float32, device=self.embed.device)
         self.shape = DecoderShape(config.num_attention_heads, config.num_key_value_heads, head_dim,
-                                  config.intermediate_size, eps)
+                                  config.intermediate_size)
         self.rotary = inner.rotary_emb
         self.layers = nn.ModuleList(DecoderLayer(layer, dtype, quantization, max_rows) for layer in inner.layers)
         self.final_norm = inner.norm.weight.detach().float()
         self.fused = kernels and self.embed.device.type == "cpu"
         self.eps = float(config.rms_norm_eps)
+        kind = "operators" if self.fused else "compiled" if compiled else "eager"
+        self.ops: Pointwise = make_pointwise(kind, self.eps, self.embed.device)
         head = head_quantization(quantization, dtype, self.embed.device, kernels)
         self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head)
         # On the operators, steps of few decodes run every layer in one C++ call (``decode_layers.py``).
@@ -184,13 +159,7 @@ class Decoder(nn.Module):
         else:
             for index, layer in enumerate(self.layers):
                 hidden = self._layer(index, layer, hidden, cos, sin, ctx)
-        return self.lm_head(self._norm(hidden[logits_indices], self.final_norm))  # [B, V]
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            out: torch.Tensor = torch.ops.tokenspool.rms_norm(x, weight, self.eps)
-            return out
-        return rms_norm(x, weight, self.shape.rms_norm_eps)
+        return self.lm_head(self.ops.rms_norm(hidden[logits_indices], self.final_norm))  # [B, V]
 
     def _layer(self, index: int, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                ctx: PagedContext) -> torch.Tensor:
@@ -198,15 +167,14 @@ class Decoder(nn.Module):
         shape, num_tokens = self.shape, hidden.shape[0]
         num_qk_heads = shape.num_heads + shape.num_kv_heads
         qkv_proj, o_proj, gate_up_proj, down_proj = layer.projections
-        qkv = qkv_proj(self._norm(hidden, layer.input_norm))  # [T, (H + 2 kvh) * D]
-        qk = qkv[:, :num_qk_heads * shape.head_dim].view(num_tokens, num_qk_heads, shape.head_dim)
-        if self.fused:
-            torch.ops.tokenspool.rope_(qk, cos, sin)  # in place, in qkv
-        else:
-            qk = rope(qk, cos, sin)
+        ops = self.ops
+        qkv = qkv_proj(ops.rms_norm(hidden, layer.input_norm))  # [T, (H + 2 kvh) * D]
+        qk = ops.rope(qkv[:, :num_qk_heads * shape.head_dim].view(num_tokens, num_qk_heads, shape.head_dim), cos,
+                      sin)  # the operator rotates in place, in qkv
         value = qkv[:, num_qk_heads * shape.head_dim:].view(num_tokens, shape.num_kv_heads, shape.head_dim)
         attn = paged_attention(index, qk[:, :shape.num_heads], qk[:, shape.num_heads:], value, ctx, layer.scale)
-        hidden = hidden + o_proj(attn.view(num_tokens, -1), cast_back=False)  # promotes a kernel's bf16
-        gate_up = gate_up_proj(self._norm(hidden, layer.post_attention_norm))  # [T, 2 I]
-        fused_mlp = torch.ops.tokenspool.silu_and_mul if self.fused else silu_and_mul
-        return hidden + down_proj(fused_mlp(gate_up), cast_back=False)
+        # the residual sum promotes a kernel's bf16
+        hidden, normed = ops.add_rms_norm(hidden, o_proj(attn.view(num_tokens, -1), cast_back=False),
+                                          layer.post_attention_norm)
+        gate_up = gate_up_proj(normed)  # [T, 2 I]
+        return hidden + down_proj(ops.silu_and_mul(gate_up), cast_back=False)

@@ -61,6 +61,12 @@ class FlexCall:
     gather_idx: torch.Tensor  # [batch * num_queries] the same, padded (with the first index) to the call's size
     num_queries: int
     block_mask: BlockMask
+    in_order: bool = False  # the call's queries are the step's first tokens, in order, unpadded: no gather
+
+    def whole_step(self, num_tokens: int) -> bool:
+        """Whether this call's rows are the ``num_tokens`` of the step, in order (a decode-only step, padded or not
+        to a bucket that the step's tokens fill)."""
+        return self.in_order and self.gather_idx.shape[0] == num_tokens
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,8 @@ def prepare_flex_call(token_idx: Sequence[int], tables: Sequence[Sequence[int]],
     gather = idx + [idx[0]] * (batch * num_queries - len(idx))
     return FlexCall(token_idx=torch.tensor(idx, dtype=torch.long, device=device),
                     gather_idx=torch.tensor(gather, dtype=torch.long, device=device), num_queries=num_queries,
-                    block_mask=make_block_mask(index, num_queries, kv_cache.block_size))
+                    block_mask=make_block_mask(index, num_queries, kv_cache.block_size),
+                    in_order=gather == list(range(len(gather))))
 
 
 def prepare_flex_decode(token_idx: Sequence[int], tables: Sequence[Sequence[int]], context_lens: Sequence[int],
@@ -205,18 +212,25 @@ def prepare_flex_prefill(token_start: int, start_position: int, num_tokens: int,
 def attend_flex(layer: int, query: torch.Tensor, step: FlexStep, kv_cache: KVCache, scale: float,
                 out: torch.Tensor) -> None:
     """Write every call's attention into ``out``. ``query`` and ``out``: [T, H, D], the whole step."""
+    for call in step.calls:
+        out[call.token_idx] = flex_rows(layer, query, call, step, kv_cache, scale).to(out.dtype)
+
+
+def flex_rows(layer: int, query: torch.Tensor, call: FlexCall, step: FlexStep, kv_cache: KVCache,
+              scale: float) -> torch.Tensor:
+    """One call's attention, ``[len(call.token_idx), H, D]`` in the cache's dtype. ``query``: [T, H, D]; an
+    in-order call reads its rows as they lie (a view: no gather kernel)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     cache_keys, cache_values = kv_cache.keys[layer], kv_cache.values[layer]
     num_slots = cache_keys.shape[0] * cache_keys.shape[1]
     # [N, bs, kvh, D] -> [1, kvh, N * bs, D]: a strided view of the pool, every slot a key
     keys = cache_keys.view(1, num_slots, *cache_keys.shape[2:]).transpose(1, 2)
     values = cache_values.view(1, num_slots, *cache_values.shape[2:]).transpose(1, 2)
-    for call in step.calls:
-        batch = call.gather_idx.shape[0] // call.num_queries
-        q = query[call.gather_idx].view(batch, call.num_queries, num_heads, head_dim).transpose(1, 2)
-        if q.dtype != keys.dtype:
-            q = q.to(keys.dtype)
-        result = step.attend(q, keys, values, block_mask=call.block_mask, scale=scale,
-                             enable_gqa=num_heads != keys.shape[1], kernel_options=step.options)  # [B, H, Q, D]
-        rows = result.transpose(1, 2).reshape(-1, num_heads, head_dim)[:len(call.token_idx)]
-        out[call.token_idx] = rows.to(out.dtype)
+    batch = call.gather_idx.shape[0] // call.num_queries
+    rows = query[:call.gather_idx.shape[0]] if call.in_order else query[call.gather_idx]
+    q = rows.view(batch, call.num_queries, num_heads, head_dim).transpose(1, 2)
+    if q.dtype != keys.dtype:
+        q = q.to(keys.dtype)
+    result = step.attend(q, keys, values, block_mask=call.block_mask, scale=scale,
+                         enable_gqa=num_heads != keys.shape[1], kernel_options=step.options)  # [B, H, Q, D]
+    return result.transpose(1, 2).reshape(-1, num_heads, head_dim)[:len(call.token_idx)]

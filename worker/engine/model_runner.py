@@ -31,6 +31,7 @@ from worker.engine.config import (
     ModelShape,
     make_plan,
     pick_attention_backend,
+    pick_compile_pointwise,
     pick_cuda_graphs,
     pick_device,
     pick_dtype,
@@ -84,7 +85,8 @@ def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: 
     compute = plan_compute(config, device, dtype, reason, on_grid, kernels=kernels)
     if not compute.own_decoder:
         return model.to(dtype), None, compute
-    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows, kernels=kernels())
+    decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows, kernels=kernels(),
+                      compiled=pick_compile_pointwise(config, device))
     return decoder, decoder, compute
 
 
@@ -148,9 +150,9 @@ class ModelRunner:
                                        config.max_num_seqs, capture=self.cuda_graphs == "on", device=device)
         log.info("model loaded: folder=%s device=%s dtype=%s quantization=%s forward=%s attention=%s "
                  "cuda_graphs=%s kv_blocks=%d kv_dtype=%s block_size=%d max_model_len=%d", folder, device, dtype,
-                 self.compute.quantization, "decoder" if self.compute.own_decoder else "transformers",
-                 self.attention_backend, self.cuda_graphs, self.plan.num_kv_blocks, self.plan.cache_dtype,
-                 self.plan.block_size, self.plan.max_model_len)
+                 self.compute.quantization, f"decoder ({self.decoder.ops.kind} pointwise)" if self.decoder
+                 else "transformers", self.attention_backend, self.cuda_graphs, self.plan.num_kv_blocks,
+                 self.plan.cache_dtype, self.plan.block_size, self.plan.max_model_len)
 
     @property
     def device(self) -> torch.device:
