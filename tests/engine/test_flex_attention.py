@@ -8,6 +8,7 @@ does. Compilation costs ~10 s per new shape on the 2-core test machine, so the e
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -96,41 +97,25 @@ def reference_step(call: FlexCall) -> FlexStep:
     return FlexStep((call,), make_flex_fn(compile_kernel=False))
 
 
-def test_decodes_in_step_order_read_the_query_in_place() -> None:
-    """Decodes that are the step's tokens 0..2, unpadded, need no gather (and, as the whole step, no scatter); the
-    query is a strided slice, as the decoder passes it (q of a [T, q + k heads, D] tensor). Padded to a bucket of 4
-    rows the same decodes gather, and both give the same rows."""
+def test_a_whole_step_call_reads_the_query_in_place() -> None:
+    """Decodes that are the step's tokens 0..2 (a static decode step) need no gather; the query is a strided
+    slice, as the decoder passes it (q of a [T, q + k heads, D] tensor). The same decodes gathered give the same
+    rows; the ordinary path never marks a call whole-step (its queries are gathered, so contiguous)."""
     torch.manual_seed(2)
     cache = make_cache()
     fill_cache(cache)
     tables, lens = [[3, 7, 9], [5], [2, 8]], [10, 1, 7]
     query = torch.randn(3, HEADS + KV_HEADS, DIM)[:, :HEADS]
-    in_order = prepare_flex_decode([0, 1, 2], tables, lens, 3, cache, CPU)
-    assert in_order.in_order and in_order.whole_step(3) and not in_order.whole_step(4)
-    padded = prepare_flex_decode([0, 1, 2], tables, lens, 4, cache, CPU)
-    assert not padded.in_order and not padded.whole_step(3)
-    rows = flex_rows(0, query, in_order, reference_step(in_order), cache, DIM ** -0.5)
+    gathered = prepare_flex_decode([0, 1, 2], tables, lens, 3, cache, CPU)
+    assert not gathered.whole_step
+    in_place = dataclasses.replace(gathered, whole_step=True)
+    rows = flex_rows(0, query, in_place, reference_step(in_place), cache, DIM ** -0.5)
     expected = torch.cat([reference(query[i:i + 1], cache, table, n - 1)
                           for i, (table, n) in enumerate(zip(tables, lens, strict=True))])
     torch.testing.assert_close(rows, expected, rtol=1e-5, atol=1e-5)
     out = torch.zeros_like(query)
-    attend_flex(0, query, reference_step(padded), cache, DIM ** -0.5, out)
+    attend_flex(0, query, reference_step(gathered), cache, DIM ** -0.5, out)
     torch.testing.assert_close(out, rows, rtol=1e-6, atol=1e-6)
-
-
-def test_an_in_order_chunk_that_is_not_the_whole_step_reads_the_first_rows() -> None:
-    """A 128-token prefill chunk at the step's start (its queries need no padding) followed by another token."""
-    torch.manual_seed(3)
-    cache = make_cache(num_blocks=40)
-    fill_cache(cache)
-    table = list(range(2, 34))  # 32 blocks of 4: room for 128 keys
-    call = prepare_flex_prefill(0, 0, 128, table, cache, CPU)
-    assert call.in_order and not call.whole_step(129)
-    query = torch.randn(129, HEADS, DIM)
-    out = torch.zeros_like(query)
-    attend_flex(0, query, FlexStep((call,), make_flex_fn(compile_kernel=False)), cache, DIM ** -0.5, out)
-    torch.testing.assert_close(out[:128], reference(query[:128], cache, table, 0), rtol=1e-5, atol=1e-5)
-    assert not out[128].any()
 
 
 def test_kernel_tiles_divide_the_block_size_on_cuda_only() -> None:

@@ -104,7 +104,7 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     if whole is not None:  # one group holds the step: no output buffer to fill
         return attend_group(layer, query, whole, ctx.kv_cache, scale)
     flex = meta.flex
-    if flex is not None and len(flex.calls) == 1 and flex.calls[0].whole_step(query.shape[0]):
+    if flex is not None and len(flex.calls) == 1 and flex.calls[0].whole_step:
         return flex_rows(layer, query, flex.calls[0], flex, ctx.kv_cache, scale).to(query.dtype)  # no scatter
     out = torch.empty_like(query)
     if meta.flex is not None:

@@ -95,7 +95,7 @@ class DecodeGraphs:
                                                 index.no_full_indices)))
         all_rows = torch.arange(bucket, device=device)
         call = FlexCall(token_idx=all_rows, gather_idx=all_rows, num_queries=1,
-                        block_mask=make_block_mask(rows, 1, self.kv_cache.block_size), in_order=True)
+                        block_mask=make_block_mask(rows, 1, self.kv_cache.block_size), whole_step=True)
         metadata = AttentionMetadata(slot_mapping=slots[:bucket], decode=None, prefills=(),
                                      flex=FlexStep((call,), attend, options))
         return StaticDecode(ids[:bucket], positions[:bucket], slots[:bucket], all_rows, rows,

@@ -61,12 +61,10 @@ class FlexCall:
     gather_idx: torch.Tensor  # [batch * num_queries] the same, padded (with the first index) to the call's size
     num_queries: int
     block_mask: BlockMask
-    in_order: bool = False  # the call's queries are the step's first tokens, in order, unpadded: no gather
-
-    def whole_step(self, num_tokens: int) -> bool:
-        """Whether this call's rows are the ``num_tokens`` of the step, in order (a decode-only step, padded or not
-        to a bucket that the step's tokens fill)."""
-        return self.in_order and self.gather_idx.shape[0] == num_tokens
+    # The call's queries are all the step's tokens in order (a static decode step, ``cuda_graphs.py``): read in
+    # place, not gathered, and returned as the step's attention, not scattered. Only that path sets it, so the
+    # compiled kernel sees one query layout per shape (a gathered query is contiguous, a read one strided).
+    whole_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,8 +173,7 @@ def prepare_flex_call(token_idx: Sequence[int], tables: Sequence[Sequence[int]],
     gather = idx + [idx[0]] * (batch * num_queries - len(idx))
     return FlexCall(token_idx=torch.tensor(idx, dtype=torch.long, device=device),
                     gather_idx=torch.tensor(gather, dtype=torch.long, device=device), num_queries=num_queries,
-                    block_mask=make_block_mask(index, num_queries, kv_cache.block_size),
-                    in_order=gather == list(range(len(gather))))
+                    block_mask=make_block_mask(index, num_queries, kv_cache.block_size))
 
 
 def prepare_flex_decode(token_idx: Sequence[int], tables: Sequence[Sequence[int]], context_lens: Sequence[int],
@@ -218,8 +215,8 @@ def attend_flex(layer: int, query: torch.Tensor, step: FlexStep, kv_cache: KVCac
 
 def flex_rows(layer: int, query: torch.Tensor, call: FlexCall, step: FlexStep, kv_cache: KVCache,
               scale: float) -> torch.Tensor:
-    """One call's attention, ``[len(call.token_idx), H, D]`` in the cache's dtype. ``query``: [T, H, D]; an
-    in-order call reads its rows as they lie (a view: no gather kernel)."""
+    """One call's attention, ``[len(call.token_idx), H, D]`` in the cache's dtype. ``query``: [T, H, D]; a
+    whole-step call reads it as it lies (a view: no gather kernel)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     cache_keys, cache_values = kv_cache.keys[layer], kv_cache.values[layer]
     num_slots = cache_keys.shape[0] * cache_keys.shape[1]
@@ -227,7 +224,7 @@ def flex_rows(layer: int, query: torch.Tensor, call: FlexCall, step: FlexStep, k
     keys = cache_keys.view(1, num_slots, *cache_keys.shape[2:]).transpose(1, 2)
     values = cache_values.view(1, num_slots, *cache_values.shape[2:]).transpose(1, 2)
     batch = call.gather_idx.shape[0] // call.num_queries
-    rows = query[:call.gather_idx.shape[0]] if call.in_order else query[call.gather_idx]
+    rows = query if call.whole_step else query[call.gather_idx]
     q = rows.view(batch, call.num_queries, num_heads, head_dim).transpose(1, 2)
     if q.dtype != keys.dtype:
         q = q.to(keys.dtype)
