@@ -107,8 +107,8 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     if flex is not None and len(flex.calls) == 1 and flex.calls[0].whole_step:
         return flex_rows(layer, query, flex.calls[0], flex, ctx.kv_cache, scale).to(query.dtype)  # no scatter
     out = torch.empty_like(query)
-    if meta.flex is not None:
-        attend_flex(layer, query, meta.flex, ctx.kv_cache, scale, out)
+    if flex is not None:
+        attend_flex(layer, query, flex, ctx.kv_cache, scale, out)
     if meta.decode is not None:
         attend_decode(layer, query, meta.decode, ctx.kv_cache, scale, out)
     for chunk in meta.prefills:
