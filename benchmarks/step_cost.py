@@ -50,8 +50,11 @@ SYSTEMS = {
 
 
 def _torch_ops(engine) -> None:
-    engine.runner.decoder.fused = False
-    engine.runner.decoder.stack = None
+    from worker.engine.pointwise import make_pointwise
+
+    decoder = engine.runner.decoder
+    decoder.ops = make_pointwise("eager", decoder.eps, decoder.embed.device)
+    decoder.stack = None
     engine.runner.kv_cache.fused_write = False
 
 

@@ -3,10 +3,12 @@ config picks the compiled one on CUDA only."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from worker.engine import EngineConfig
+from worker.engine import Engine, EngineConfig, SamplingParams, model_runner
 from worker.engine.config import pick_compile_pointwise
 from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.pointwise import Pointwise, make_pointwise
@@ -72,3 +74,20 @@ def test_auto_compiles_on_cuda_only() -> None:
     assert not pick_compile_pointwise(EngineConfig(compile_pointwise="off"), cuda)
     with pytest.raises(ValueError, match="compile_pointwise"):
         EngineConfig(compile_pointwise="yes")
+
+
+def test_an_engine_without_the_operators_runs_compiled_steps_when_asked(tiny_llama: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder a CUDA engine builds, on this CPU: with the C++ operators unavailable (as on a GPU),
+    ``compile_pointwise="on"`` compiles the steps and ``"auto"`` keeps torch's ops (CPU); the greedy tokens agree."""
+    monkeypatch.setattr(model_runner, "operators_loaded", lambda device: False)
+    prompts = [[5, 17, 99, 3, 42], [7, 300, 11, 12, 500, 6, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for mode, kind in (("on", "compiled"), ("auto", "eager")):
+        engine = Engine(EngineConfig(model=str(tiny_llama), dtype="bfloat16", quantization="none", num_kv_blocks=32,
+                                     compile_pointwise=mode))
+        decoder = engine.runner.decoder
+        assert decoder is not None and decoder.ops.kind == kind and not decoder.fused
+        tokens[mode] = [list(o.token_ids) for o in engine.generate(prompts, [params] * len(prompts))]
+    assert tokens["on"] == tokens["auto"]

@@ -127,19 +127,24 @@ class Decoder(nn.Module):
         self.rotary = inner.rotary_emb
         self.layers = nn.ModuleList(DecoderLayer(layer, dtype, quantization, max_rows) for layer in inner.layers)
         self.final_norm = inner.norm.weight.detach().float()
-        self.fused = kernels and self.embed.device.type == "cpu"
         self.eps = float(config.rms_norm_eps)
-        kind = "operators" if self.fused else "compiled" if compiled else "eager"
+        operators = kernels and self.embed.device.type == "cpu"
+        kind = "operators" if operators else "compiled" if compiled else "eager"
         self.ops: Pointwise = make_pointwise(kind, self.eps, self.embed.device)
         head = head_quantization(quantization, dtype, self.embed.device, kernels)
         self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head)
         # On the operators, steps of few decodes run every layer in one C++ call (``decode_layers.py``).
         self.stack: LayerStack | None = None
-        if self.fused:
+        if operators:
             self.stack = stack_layers([(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers],
                                       [w for layer in self.layers for w in (layer.input_norm,
                                                                             layer.post_attention_norm)],
                                       self.shape.num_heads, self.layers[0].scale, self.eps)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the small steps run on tokenspool's C++ operators (then the K/V write does too)."""
+        return self.ops.kind == "operators"
 
     def rope_tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, D]`` for ``x * cos + roll(x, D/2) * sin`` (== rotate_half form)."""
