@@ -25,9 +25,11 @@ from typing import Any, Final
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterPubSub
+from redis.asyncio.connection import Connection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.pubsub import SUBSCRIBE_TIMEOUT_S, TRANSIENT_ERRORS, as_text, close_quietly
+from shared.pubsub import BROKEN_CONNECTION_ERRORS, SUBSCRIBE_TIMEOUT_S, as_text, close_quietly
 from shared.tasks import stop_tasks
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ class LiveChannels:
             state = self._channels[channel] = _Channel()
             try:
                 async with self._send:
-                    await self._connection().ssubscribe(channel)
+                    await self._send_subscribe(channel)
             except BaseException:
                 self._forget(channel, state)
                 raise
@@ -135,9 +137,27 @@ class LiveChannels:
             return
         self._forget(reader.channel, state)
         async with self._send:
-            if self._pubsub is not None and reader.channel not in self._channels:
-                with suppress(*TRANSIENT_ERRORS):
-                    await self._pubsub.sunsubscribe(reader.channel)
+            pubsub = self._pubsub
+            # A connection Redis cut is being replaced by the listener with one subscribed to the wanted channels
+            # only: unsubscribing on it would reconnect it from here, racing the listener's read.
+            if pubsub is not None and not _dropped(pubsub) and reader.channel not in self._channels:
+                with suppress(*BROKEN_CONNECTION_ERRORS):
+                    await pubsub.sunsubscribe(reader.channel)
+
+    async def _send_subscribe(self, channel: str) -> None:
+        """SSUBSCRIBE ``channel`` (the caller holds ``_send``). Not on a connection Redis cut, nor again when it was
+        cut during the command: that would reconnect it from here while the listener reads it; the listener's
+        reconnect subscribes every wanted channel, this one too, and confirms it."""
+        pubsub = self._connection()
+        if not _dropped(pubsub):
+            connected = pubsub.connection is not None
+            try:
+                await pubsub.ssubscribe(channel)
+                return
+            except BROKEN_CONNECTION_ERRORS:
+                if not connected:  # a first connection that failed: Redis is down, say so now
+                    raise
+        self._wanted.set()  # an idle listener wakes, finds the connection dropped and reconnects
 
     def _forget(self, channel: str, state: _Channel) -> None:
         if self._channels.get(channel) is state and not state.readers:
@@ -165,10 +185,12 @@ class LiveChannels:
                 try:
                     await self._wanted.wait()
                     assert self._pubsub is not None
+                    if _dropped(self._pubsub):  # cut under a command of another task: reconnect here, not there
+                        raise RedisConnectionError("the live channels' connection was dropped")
                     message = await self._next_message(self._pubsub)
                     if message is not None:
                         self._dispatch(message)
-                except TRANSIENT_ERRORS as exc:
+                except BROKEN_CONNECTION_ERRORS as exc:
                     log.warning("live channels lost Redis (%s); resubscribing %d channels", exc, len(self._channels))
                     await self._reconnect()
         finally:
@@ -178,20 +200,21 @@ class LiveChannels:
 
     async def _reconnect(self) -> None:
         """A new connection subscribed to every wanted channel; their readers resync once it is confirmed."""
-        if self._pubsub is not None:
-            await close_quietly(self._pubsub)
-        self._pubsub = self._redis.pubsub()
+        # Replaced before the old one is closed, so no other task sends on the old one meanwhile.
+        broken, self._pubsub = self._pubsub, self._redis.pubsub()
         self._wanted.clear()
         for state in self._channels.values():
             state.confirmed.clear()
             state.resync = True
+        if broken is not None:
+            await close_quietly(broken)
         while self._channels:
             try:
                 async with self._send:
                     await self._pubsub.ssubscribe(*self._channels)
                 self._wanted.set()
                 return
-            except TRANSIENT_ERRORS:
+            except BROKEN_CONNECTION_ERRORS:
                 await asyncio.sleep(self._idle_s / 4)
 
     async def _next_message(self, pubsub: PubSub) -> dict[str, Any] | None:
@@ -229,3 +252,10 @@ class LiveChannels:
                 state.resync = False
                 for reader in state.readers:
                     reader.deliver(RESYNC)
+
+
+def _dropped(pubsub: PubSub) -> bool:
+    """A single node's pub/sub connection that was made and has since been dropped (redis-py reconnects it on the
+    next command). A cluster's shard channels live on per-node connections, which redis-py manages itself."""
+    connection: Connection | None = pubsub.connection  # typed None in redis-py 8.1
+    return not isinstance(pubsub, ClusterPubSub) and connection is not None and not connection.is_connected

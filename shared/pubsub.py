@@ -26,6 +26,12 @@ SUBSCRIBE_TIMEOUT_S = 10.0
 # Redis errors a stream or channel listener (and a worker's writes) ride out by reconnecting and retrying: a lost
 # connection, and on a Redis Cluster the moments of a failover (no master for a slot yet, a slot moving).
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, SlotNotCoveredError)
+# What redis-py (8.1) may raise besides those when two tasks use one pub/sub connection that Redis just cut: a
+# failed read drops the connection's writer, so a concurrent command finds it gone (AttributeError: 'NoneType'
+# object has no attribute 'writelines'), and a command that reconnects reads the handshake while the listener
+# reads too (RuntimeError: readuntil() called while another coroutine is already waiting). The connection is
+# being replaced then: a listener reconnects, an unsubscribe or a close has nothing left to do.
+BROKEN_CONNECTION_ERRORS = (*TRANSIENT_ERRORS, AttributeError, RuntimeError)
 
 
 async def subscribe_confirmed(pubsub: PubSub, channels: Sequence[str]) -> None:
@@ -44,7 +50,7 @@ async def subscribe_confirmed(pubsub: PubSub, channels: Sequence[str]) -> None:
 
 async def close_quietly(pubsub: PubSub) -> None:
     """Close a pub/sub connection that may already be broken."""
-    with suppress(*TRANSIENT_ERRORS):
+    with suppress(*BROKEN_CONNECTION_ERRORS):
         # Bounded: closing a connection whose reader was just cancelled can wait on a lock forever.
         async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S / 5):
             await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed in redis 8.2
