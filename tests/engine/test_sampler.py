@@ -13,6 +13,7 @@ from worker.engine.sampler import (
     SamplingBatch,
     apply_penalties,
     compute_probs,
+    greedy_tokens,
     make_generator,
     prepare_sampling_batch,
 )
@@ -55,6 +56,16 @@ def test_greedy_is_argmax_even_in_a_mixed_batch() -> None:
     greedy_rows = [0, 2, 4]
     assert out.token_ids[greedy_rows].tolist() == logits[greedy_rows].argmax(dim=-1).tolist()
     assert out.token_ids.shape == (6,) and out.token_ids.dtype == torch.long
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmax_on_ties_nan_and_infinities(dtype: torch.dtype) -> None:
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 5.0], [-inf] * 4, [1.0, inf, inf, 0.0],
+                            [0.0, nan, inf, 1.0]], dtype=dtype)
+    ties = torch.randint(0, 3, (64, 4099), generator=torch.Generator().manual_seed(0)).to(dtype)  # many equal maxima
+    for logits in (special, ties, ties[:, 1:]):  # the last one a strided view
+        assert greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_greedy_matches_transformers_generate(tiny_small_vocab: Path) -> None:
