@@ -14,6 +14,8 @@
 //   context_lens [B] int64            keys each sequence attends to (<= MB * BS)
 //   returns      [B, H, D]            query's dtype
 // GQA: query head h reads KV head h / (H / KVH), transformers' repeat_kv grouping.
+// bfloat16 queries over a bfloat16 cache with head size 64 or 128 take `attend_bf16` where the CPU has
+// AVX512-BF16 (dot products straight from the cache); everything else the generic `attend`.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -212,6 +215,152 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
   }
 }
 
+#if defined(__AVX512BF16__)
+constexpr int64_t kTile = 16;  // keys a score tile takes: one vector of scores
+constexpr int64_t kValuesAhead = 32;  // value rows asked for ahead: a row takes a few ns here, memory ~100
+
+// Sixteen vectors -> one: lane i is the sum of v[i]'s lanes. Pairs, then quads within 128-bit lanes, then across
+// them: 45 instructions for 16 sums, where a reduction each costs ~8.
+inline __m512 sum16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's part of v[4i], ..., v[4i + 3]
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const auto halves = [](__m512 a, __m512 b) {  // [a's lanes 0+1, a's 2+3, b's 0+1, b's 2+3]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  const __m512 low = halves(quads[0], quads[1]), high = halves(quads[2], quads[3]);
+  return halves(low, high);
+}
+
+// 16 bfloat16 values widened to float32 (bfloat16 is a float32's top half).
+inline __m512 widen16(const at::BFloat16* src) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// `attend` for bfloat16 queries over a bfloat16 cache, kDim a multiple of 64, with AVX512-BF16. Scores: q . k by
+// `vdpbf16ps` straight from the cache (bfloat16 products are exact in float32; the sums are float32, DAZ), 16 keys
+// a tile, the 16 dot products reduced together; then the scale. Values: each row widened once in registers and
+// added into every query head of its KV head, whose sums stay in registers. The scratch rows of the generic
+// loop (a float32 copy of every key and value, written and read again per head) are gone. SmolLM2's shape, 32
+// sequences of 64-281 keys, Xeon with AMX, 2 threads: 0.16 against 0.26 ms a call hot, 0.27 against 0.34 with
+// the caches flushed; inside the engine's step, where the rows come from memory, 11% less time.
+template <int kDim>
+void attend_bf16(const Layout& L, const at::BFloat16* query, const at::BFloat16* keys, const at::BFloat16* values,
+                 const int64_t* table, int64_t num_keys, int64_t head0, int64_t count, float scale,
+                 at::BFloat16* out, std::vector<float>& scratch, std::vector<int64_t>& token_offsets) {
+  static_assert(kDim % 64 == 0, "whole 64-value chunks");
+  constexpr int kHeadsAtOnce = 4;  // value sums of up to 4 query heads x 64 values in 16 registers
+  const int64_t padded = (num_keys + kTile - 1) / kTile * kTile;
+  scratch.resize(count * (kDim + 1 + padded));
+  float* acc = scratch.data();               // [count, kDim]
+  float* total = acc + count * kDim;         // [count]
+  float* scores = total + count;             // [count, padded]
+  token_offsets.resize(padded);
+  for (int64_t t0 = 0; t0 < num_keys; t0 += L.block_size) {
+    const int64_t base = table[t0 / L.block_size] * L.kv_block;
+    const int64_t end = std::min(num_keys, t0 + L.block_size);
+    for (int64_t t = t0; t < end; ++t) token_offsets[t] = base + (t - t0) * L.kv_token;
+  }
+  for (int64_t t = num_keys; t < padded; ++t) token_offsets[t] = token_offsets[0];  // a tile's tail: scores unused
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < count; ++h) {
+    const int64_t kv_head = (head0 + h) / L.group;
+    const at::BFloat16* q = query + (head0 + h) * L.q_head;
+    __m512bh qv[kDim / 32];
+    for (int c = 0; c < kDim / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    // The first query head of its KV head in this item asks for the next tile's keys; the others find them.
+    const bool fetch = h == 0 || (head0 + h) % L.group == 0;
+    __m512 max_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t0 = 0; t0 < padded; t0 += kTile) {
+      if (fetch && t0 + kTile < num_keys) {
+        const int64_t ahead = std::min(kTile, num_keys - t0 - kTile);
+        for (int64_t i = 0; i < ahead; ++i) {
+          prefetch_row(keys + token_offsets[t0 + kTile + i] + kv_head * L.kv_head, kDim);
+        }
+      }
+      __m512 dot[kTile];
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < kTile; ++i) {
+        const at::BFloat16* row = keys + token_offsets[t0 + i] + kv_head * L.kv_head;
+        dot[i] = _mm512_setzero_ps();
+        for (int c = 0; c < kDim / 32; ++c) {
+          dot[i] = _mm512_dpbf16_ps(dot[i], qv[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+        }
+      }
+      const __m512 tile = _mm512_mul_ps(sum16(dot), scale_v);
+      _mm512_storeu_ps(scores + h * padded + t0, tile);
+      const int64_t valid = std::min(kTile, num_keys - t0);  // a tail tile's other lanes are no keys
+      max_v = _mm512_mask_max_ps(max_v, static_cast<__mmask16>((1u << valid) - 1), max_v, tile);
+    }
+    float* s = scores + h * padded;
+    const float max_score = _mm512_reduce_max_ps(max_v);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < num_keys; ++t) {
+      s[t] = tokenspool::fast_exp(s[t] - max_score);
+      sum += s[t];
+    }
+    total[h] = sum;
+  }
+  // Values: the query heads of one KV head together (up to kHeadsAtOnce), 64 values of the row at a time.
+  for (int64_t h0 = 0; h0 < count;) {
+    const int64_t kv_head = (head0 + h0) / L.group;
+    int64_t n = 1;
+    while (n < kHeadsAtOnce && h0 + n < count && (head0 + h0 + n) / L.group == kv_head) ++n;
+    for (int64_t c = 0; c < kDim; c += 64) {
+      __m512 sums[kHeadsAtOnce][4];
+      for (int64_t j = 0; j < n; ++j) {
+        for (int v = 0; v < 4; ++v) sums[j][v] = _mm512_setzero_ps();
+      }
+      for (int64_t t = 0; t < num_keys; ++t) {
+        const at::BFloat16* row = values + token_offsets[t] + kv_head * L.kv_head + c;
+        if (t + kValuesAhead < num_keys) {
+          __builtin_prefetch(values + token_offsets[t + kValuesAhead] + kv_head * L.kv_head + c);
+          __builtin_prefetch(values + token_offsets[t + kValuesAhead] + kv_head * L.kv_head + c + 32);
+        }
+        const __m512 r[4] = {widen16(row), widen16(row + 16), widen16(row + 32), widen16(row + 48)};
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 p = _mm512_set1_ps(scores[(h0 + j) * padded + t]);
+          for (int v = 0; v < 4; ++v) sums[j][v] = _mm512_fmadd_ps(p, r[v], sums[j][v]);
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc + (h0 + j) * kDim + c + 16 * v, sums[j][v]);
+      }
+    }
+    h0 += n;
+  }
+  for (int64_t h = 0; h < count; ++h) {
+    const float inv = 1.f / total[h];
+    at::BFloat16* dst = out + (head0 + h) * L.out_head;
+    for (int64_t d = 0; d < kDim; ++d) dst[d] = static_cast<at::BFloat16>(acc[h * kDim + d] * inv);
+  }
+}
+#endif
+
+// The attention of one work item: `attend`, or its AVX512-BF16 form where it applies.
+template <typename Q, typename KV>
+using AttendFn = void (*)(const Layout&, const Q*, const KV*, const KV*, const int64_t*, int64_t, int64_t, int64_t,
+                          float, Q*, std::vector<float>&, std::vector<int64_t>&);
+
+template <typename Q, typename KV>
+AttendFn<Q, KV> pick_attend(int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+    if (head_dim == 64) return attend_bf16<64>;
+    if (head_dim == 128) return attend_bf16<128>;
+  }
+#endif
+  return head_dim == 64 ? attend<Q, KV, 64> : head_dim == 128 ? attend<Q, KV, 128> : attend<Q, KV, 0>;
+}
+
 template <typename Q, typename KV>
 void run(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
@@ -243,9 +392,7 @@ void run(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& 
                                  : L.num_seqs * L.num_kv_heads >= 2 * threads ? L.group
                                                                                : 1;
   const int64_t items_per_seq = L.num_heads / heads_per_item;
-  const auto attend_one = L.head_dim == 64    ? attend<Q, KV, 64>
-                          : L.head_dim == 128 ? attend<Q, KV, 128>
-                                              : attend<Q, KV, 0>;
+  const AttendFn<Q, KV> attend_one = pick_attend<Q, KV>(L.head_dim);
   at::parallel_for(0, L.num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     std::vector<int64_t> token_offsets;
