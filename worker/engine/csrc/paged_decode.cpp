@@ -124,6 +124,39 @@ struct Layout {
   int64_t table_row;                               // block_tables stride
 };
 
+// Where each key's token lies in the pool, block by block, into offsets[0, num_keys): no division per key (a
+// 64-bit division by the block size, for every row read and prefetched, took ~40% of the operator's time at 32
+// sequences).
+inline void fill_token_offsets(const Layout& L, const int64_t* table, int64_t num_keys, int64_t* offsets) {
+  for (int64_t t0 = 0; t0 < num_keys; t0 += L.block_size) {
+    const int64_t base = table[t0 / L.block_size] * L.kv_block;
+    const int64_t end = std::min(num_keys, t0 + L.block_size);
+    for (int64_t t = t0; t < end; ++t) offsets[t] = base + (t - t0) * L.kv_token;
+  }
+}
+
+// scores -> exp(score - max_score) in place; returns their sum (the softmax's denominator).
+inline float exp_and_sum(float* s, int64_t num_keys, float max_score) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < num_keys; ++t) {
+    s[t] = tokenspool::fast_exp(s[t] - max_score);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// out's query heads [head0, head0 + count) = acc [count, D] / total [count], in the output's dtype.
+template <typename Q>
+inline void write_heads(const Layout& L, const float* acc, const float* total, int64_t head0, int64_t count,
+                        int64_t D, Q* out) {
+  for (int64_t h = 0; h < count; ++h) {
+    const float inv = 1.f / total[h];
+    Q* dst = out + (head0 + h) * L.out_head;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(acc[h * D + d] * inv);
+  }
+}
+
 // Attention of query heads [head0, head0 + count) of one sequence, which read KV heads kv0 .. kv0 + num_kv - 1.
 // `kDim`: the head size when known at compile time (the common 64 and 128, whose loops then unroll), else 0.
 template <typename Q, typename KV, int kDim>
@@ -146,14 +179,8 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
   std::fill(acc, acc + count * D, 0.f);
   std::fill(max_score, max_score + count, -std::numeric_limits<float>::infinity());
   std::fill(total, total + count, 0.f);
-  // Where each key's token lies in the pool, block by block: no division per key (a 64-bit division by the
-  // block size, for every row read and prefetched, took ~40% of the operator's time at 32 sequences).
   token_offsets.resize(num_keys);
-  for (int64_t t0 = 0; t0 < num_keys; t0 += L.block_size) {
-    const int64_t base = table[t0 / L.block_size] * L.kv_block;
-    const int64_t end = std::min(num_keys, t0 + L.block_size);
-    for (int64_t t = t0; t < end; ++t) token_offsets[t] = base + (t - t0) * L.kv_token;
-  }
+  fill_token_offsets(L, table, num_keys, token_offsets.data());
   const auto offset_of = [&](int64_t t, int64_t kv) { return token_offsets[t] + kv * L.kv_head; };
   // Keys and values are taken kKeysAtOnce at a time: independent dot products, and one pass over `acc` for
   // several values, keep the pipeline busy (one at a time, each waited on the last one's reduction or store).
@@ -181,16 +208,7 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
       }
     }
   }
-  for (int64_t h = 0; h < count; ++h) {
-    float* s = scores + h * num_keys;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < num_keys; ++t) {
-      s[t] = tokenspool::fast_exp(s[t] - max_score[h]);
-      sum += s[t];
-    }
-    total[h] = sum;
-  }
+  for (int64_t h = 0; h < count; ++h) total[h] = exp_and_sum(scores + h * num_keys, num_keys, max_score[h]);
   for (int64_t t = 0; t < num_keys; t += kKeysAtOnce) {
     const int64_t n = std::min(kKeysAtOnce, num_keys - t);
     load_keys(values, t, n);
@@ -208,11 +226,7 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
       }
     }
   }
-  for (int64_t h = 0; h < count; ++h) {
-    const float inv = 1.f / total[h];
-    Q* dst = out + (head0 + h) * L.out_head;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(acc[h * D + d] * inv);
-  }
+  write_heads(L, acc, total, head0, count, D, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -263,11 +277,7 @@ void attend_bf16(const Layout& L, const at::BFloat16* query, const at::BFloat16*
   float* total = acc + count * kDim;         // [count]
   float* scores = total + count;             // [count, padded]
   token_offsets.resize(padded);
-  for (int64_t t0 = 0; t0 < num_keys; t0 += L.block_size) {
-    const int64_t base = table[t0 / L.block_size] * L.kv_block;
-    const int64_t end = std::min(num_keys, t0 + L.block_size);
-    for (int64_t t = t0; t < end; ++t) token_offsets[t] = base + (t - t0) * L.kv_token;
-  }
+  fill_token_offsets(L, table, num_keys, token_offsets.data());
   for (int64_t t = num_keys; t < padded; ++t) token_offsets[t] = token_offsets[0];  // a tile's tail: scores unused
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < count; ++h) {
@@ -299,15 +309,7 @@ void attend_bf16(const Layout& L, const at::BFloat16* query, const at::BFloat16*
       const int64_t valid = std::min(kTile, num_keys - t0);  // a tail tile's other lanes are no keys
       max_v = _mm512_mask_max_ps(max_v, static_cast<__mmask16>((1u << valid) - 1), max_v, tile);
     }
-    float* s = scores + h * padded;
-    const float max_score = _mm512_reduce_max_ps(max_v);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < num_keys; ++t) {
-      s[t] = tokenspool::fast_exp(s[t] - max_score);
-      sum += s[t];
-    }
-    total[h] = sum;
+    total[h] = exp_and_sum(scores + h * padded, num_keys, _mm512_reduce_max_ps(max_v));
   }
   // Values: the query heads of one KV head together (up to kHeadsAtOnce), 64 values of the row at a time.
   for (int64_t h0 = 0; h0 < count;) {
@@ -322,8 +324,7 @@ void attend_bf16(const Layout& L, const at::BFloat16* query, const at::BFloat16*
       for (int64_t t = 0; t < num_keys; ++t) {
         const at::BFloat16* row = values + token_offsets[t] + kv_head * L.kv_head + c;
         if (t + kValuesAhead < num_keys) {
-          __builtin_prefetch(values + token_offsets[t + kValuesAhead] + kv_head * L.kv_head + c);
-          __builtin_prefetch(values + token_offsets[t + kValuesAhead] + kv_head * L.kv_head + c + 32);
+          prefetch_row(values + token_offsets[t + kValuesAhead] + kv_head * L.kv_head + c, 64);
         }
         const __m512 r[4] = {widen16(row), widen16(row + 16), widen16(row + 32), widen16(row + 48)};
         for (int64_t j = 0; j < n; ++j) {
@@ -337,11 +338,7 @@ void attend_bf16(const Layout& L, const at::BFloat16* query, const at::BFloat16*
     }
     h0 += n;
   }
-  for (int64_t h = 0; h < count; ++h) {
-    const float inv = 1.f / total[h];
-    at::BFloat16* dst = out + (head0 + h) * L.out_head;
-    for (int64_t d = 0; d < kDim; ++d) dst[d] = static_cast<at::BFloat16>(acc[h * kDim + d] * inv);
-  }
+  write_heads(L, acc, total, head0, count, kDim, out);
 }
 #endif
 
