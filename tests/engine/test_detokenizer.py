@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from worker.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from worker.engine.detokenizer import BackendDecoder, DetokenizerUpdate, IncrementalDetokenizer, direct_decoder
 
 TEXTS = [
     "Héllo wörld, ça va? Crème brûlée à la carte.",
@@ -118,3 +118,21 @@ def test_decode_window_stays_short_on_long_outputs(tokenizer: PreTrainedTokenize
     streamed = "".join(det.push([i]).text_delta for i in ids) + det.flush()
     assert streamed == text and len(ids) > 500
     assert max(window_sizes) <= 8
+
+
+def test_direct_decoder_decodes_what_transformers_decodes(tokenizer: PreTrainedTokenizerBase) -> None:
+    """SmolLM2's fast tokenizer decodes through its Rust backend, to the very text of ``tokenizer.decode`` on every
+    window a stream asks for, special tokens and split characters included."""
+    decoder = direct_decoder(tokenizer)
+    assert isinstance(decoder, BackendDecoder)
+    ids = tokenizer.encode(" ".join(TEXTS)) + tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+    for start in range(len(ids)):
+        for end in range(start, min(start + 6, len(ids)) + 1):
+            for skip in (True, False):
+                assert decoder.decode(ids[start:end], skip_special_tokens=skip) == tokenizer.decode(
+                    ids[start:end], skip_special_tokens=skip)
+
+
+def test_direct_decoder_keeps_transformers_decode_where_it_adds_a_clean_up(smollm2: Path) -> None:
+    cleaning = AutoTokenizer.from_pretrained(smollm2, clean_up_tokenization_spaces=True)
+    assert direct_decoder(cleaning) is cleaning

@@ -26,11 +26,13 @@ from worker.engine.flex_attention import (
     FlexIndex,
     FlexStep,
     allocate_flex_index,
-    fill_flex_index,
     make_block_mask,
+    stage_flex_index,
+    write_flex_index,
 )
 from worker.engine.kv_cache import KVCache
 from worker.engine.scheduler import ScheduledChunk
+from worker.engine.staging import Staging
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WARMUP_RUNS = 2  # before a capture: compiles flex for the bucket's shape, lets cuBLAS settle its workspaces
@@ -126,17 +128,24 @@ class DecodeGraphs:
         return entry[0] if entry is not None else None
 
     def _fill(self, static: StaticDecode, chunks: Sequence[ScheduledChunk]) -> None:
-        """Write the step into the bucket's buffers; rows past ``len(chunks)`` become padding."""
+        """Write the step into the bucket's buffers, from one host-to-device copy; rows past ``len(chunks)``
+        become padding."""
         pad = static.input_ids.shape[0] - len(chunks)
         block_size, scratch = self.kv_cache.block_size, self.kv_cache.scratch_slot
+        assert scratch is not None, "checked in __init__"
         positions = [c.start_position for c in chunks]
-        slots = [c.block_ids[p // block_size] * block_size + p % block_size for c, p in zip(chunks, positions,
-                                                                                             strict=True)]
-        static.input_ids.copy_(torch.tensor([c.token_ids[0] for c in chunks] + [0] * pad))
-        static.positions.copy_(torch.tensor(positions + [0] * pad))
-        static.slot_mapping.copy_(torch.tensor(slots + [scratch] * pad))
-        fill_flex_index(static.index, [c.block_ids for c in chunks], positions, [p + 1 for p in positions],
-                        block_size)
+        stage = Staging()
+        ids = stage.add([*(c.token_ids[0] for c in chunks), *[0] * pad])
+        starts = stage.add([*positions, *[0] * pad])
+        slots = stage.add([*(c.block_ids[p // block_size] * block_size + p % block_size
+                             for c, p in zip(chunks, positions, strict=True)), *[scratch] * pad])
+        staged = stage_flex_index(stage, static.index.batch, [c.block_ids for c in chunks], positions,
+                                  [p + 1 for p in positions], block_size)
+        columns = stage.send(static.input_ids.device)
+        static.input_ids.copy_(columns[ids])
+        static.positions.copy_(columns[starts])
+        static.slot_mapping.copy_(columns[slots])
+        write_flex_index(static.index, columns, staged)
 
     def _forward(self, static: StaticDecode) -> torch.Tensor:
         return self.forward(static.input_ids, static.positions, static.context, static.logits_indices)

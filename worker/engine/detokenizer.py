@@ -11,7 +11,7 @@ incomplete UTF-8 sequence) nothing is emitted and the window grows until the cha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -20,6 +20,30 @@ class Tokenizer(Protocol):
     """The one tokenizer method used here (any HF tokenizer has it)."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class BackendDecoder:
+    """``decode`` straight from a fast tokenizer's Rust ``tokenizers.Tokenizer``: the text transformers' ``decode``
+    returns when it only converts the ids and calls that same backend (``direct_decoder`` checks), at a quarter of
+    the cost (SmolLM2, 5 ids: 0.65 against 2.6 us); a streamed token costs two decodes, on every row of every step."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        text: str = self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+
+def direct_decoder(tokenizer: Any) -> Tokenizer:
+    """A ``BackendDecoder`` for transformers' fast tokenizers whose ``decode`` adds nothing to the backend's: no
+    override of ``decode``/``_decode`` and no ``clean_up_tokenization_spaces``; any other tokenizer as it is."""
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    plain = (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
+             and cls._decode is PreTrainedTokenizerFast._decode and not tokenizer.clean_up_tokenization_spaces)
+    return BackendDecoder(tokenizer.backend_tokenizer) if plain else cast(Tokenizer, tokenizer)
 
 
 @dataclass(frozen=True)

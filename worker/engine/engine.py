@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -19,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from worker.engine.beam_search import BeamSearch, beam_request_id
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer, direct_decoder
 from worker.engine.draw import Draw, draw_tokens
 from worker.engine.grammar import GrammarCompiler
 from worker.engine.kv_cache import num_blocks_needed
@@ -54,6 +53,7 @@ class Engine:
         self.runner = ModelRunner(config, folder)
         self.plan = self.runner.plan
         self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        self._decoder = direct_decoder(self._tokenizer)  # what detokenizers decode with
         self.eos_token_ids = eos_token_ids_of(self.runner.model, self._tokenizer)
         self.block_pool = BlockPool(self.plan.num_kv_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, self.plan.block_size, config.max_num_seqs,
@@ -104,7 +104,7 @@ class Engine:
             request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
             arrival=arrival, max_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             generator=make_generator(params.seed, self.runner.device),
-            detokenizer=IncrementalDetokenizer(cast(Tokenizer, self._tokenizer), prompt, params.stop),
+            detokenizer=IncrementalDetokenizer(self._decoder, prompt, params.stop),
             grammar=self.grammar.start(params.grammar) if params.grammar is not None else None,
         )
 
@@ -166,7 +166,7 @@ class Engine:
         self.beams.add(output_ids, beams, self.eos_token_ids)
 
     def _detokenize(self, prompt: list[int], token_ids: list[int]) -> str:
-        detokenizer = IncrementalDetokenizer(cast(Tokenizer, self._tokenizer), prompt, ())
+        detokenizer = IncrementalDetokenizer(self._decoder, prompt, ())
         return detokenizer.push(token_ids).text_delta + detokenizer.flush()
 
     def step(self) -> list[StepOutput]:

@@ -24,6 +24,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from worker.engine.kv_cache import KVCache, num_blocks_needed
+from worker.engine.staging import Staging
 
 FLEX_Q_BLOCK = 128  # flex's query tile: a prefill chunk's queries are padded to a power of two at least this
 FLEX_MAX_SHAPES = 64  # compiled shapes allowed per process (torch's default recompile limit, 8, is too few)
@@ -125,28 +126,57 @@ def allocate_flex_index(batch: int, num_queries: int, num_blocks: int, device: t
     )
 
 
-def fill_flex_index(index: FlexIndex, tables: Sequence[Sequence[int]], first_positions: Sequence[int],
-                    context_lens: Sequence[int], block_size: int) -> None:
-    """Write ``len(tables)`` rows into ``index`` in place; the rows after them become padding.
+@dataclass(frozen=True)
+class StagedIndex:
+    """Where ``stage_flex_index`` queued an index's values: column numbers in the ``Staging``'s result."""
+
+    rows: int  # [n] row of each (row, block) pair of the tables
+    blocks: int  # [n] its physical block
+    logical: int  # [n] its place in the row's table
+    first_positions: int  # [B]
+    context_lens: int  # [B]
+    num_blocks: int  # [B] blocks in each row's table
+
+
+def stage_flex_index(stage: Staging, batch: int, tables: Sequence[Sequence[int]], first_positions: Sequence[int],
+                     context_lens: Sequence[int], block_size: int) -> StagedIndex:
+    """Queue ``len(tables)`` rows of an index of ``batch`` rows; the rows after them become padding.
 
     Row ``b``'s query ``i`` sits at position ``first_positions[b] + i`` and sees keys at positions ``<=`` that and
     ``< context_lens[b]`` in its table's blocks. A padded row sees block 0's first key: finite, and dropped.
     """
-    device, pad_rows = index.to_logical.device, index.batch - len(tables)
+    pad_rows = batch - len(tables)
     assert pad_rows >= 0, "more rows than the index holds"
-    used = [list(t[:num_blocks_needed(n, block_size)]) for t, n in zip(tables, context_lens, strict=True)]
-    used += [[0]] * pad_rows
-    rows = torch.tensor([b for b, t in enumerate(used) for _ in t], dtype=torch.long, device=device)
-    blocks = torch.tensor([i for t in used for i in t], dtype=torch.int32, device=device)
-    logical = torch.tensor([j for t in used for j in range(len(t))], dtype=torch.long, device=device)
+    used = [t[:num_blocks_needed(n, block_size)] for t, n in zip(tables, context_lens, strict=True)]
+    used += [(0,)] * pad_rows
+    return StagedIndex(
+        rows=stage.add(b for b, t in enumerate(used) for _ in t),
+        blocks=stage.add(i for t in used for i in t),
+        logical=stage.add(j for t in used for j in range(len(t))),
+        first_positions=stage.add([*first_positions, *[0] * pad_rows]),
+        context_lens=stage.add([*context_lens, *[1] * pad_rows]),
+        num_blocks=stage.add(len(t) for t in used),
+    )
+
+
+def write_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: StagedIndex) -> None:
+    """Rewrite ``index`` in place from the sent columns (``Staging.send``) that ``staged`` names."""
+    rows, blocks, logical = columns[staged.rows], columns[staged.blocks], columns[staged.logical]
     index.to_logical.fill_(-1)
-    index.to_logical[rows, blocks.long()] = logical.to(torch.int32)
-    index.first_positions.copy_(torch.tensor(list(first_positions) + [0] * pad_rows, dtype=torch.int32))
-    index.context_lens.copy_(torch.tensor(list(context_lens) + [1] * pad_rows, dtype=torch.int32))
+    index.to_logical[rows, blocks] = logical.to(torch.int32)
+    index.first_positions.copy_(columns[staged.first_positions])
+    index.context_lens.copy_(columns[staged.context_lens])
     index.kv_indices.zero_()
-    index.kv_indices[rows, 0, :, logical] = blocks[:, None]
-    index.kv_num_blocks.copy_(torch.tensor([len(t) for t in used], dtype=torch.int32)[:, None, None]
-                              .expand_as(index.kv_num_blocks))
+    index.kv_indices[rows, 0, :, logical] = blocks.to(torch.int32)[:, None]
+    index.kv_num_blocks.copy_(columns[staged.num_blocks][:, None, None].expand_as(index.kv_num_blocks))
+
+
+def fill_flex_index(index: FlexIndex, tables: Sequence[Sequence[int]], first_positions: Sequence[int],
+                    context_lens: Sequence[int], block_size: int) -> None:
+    """Write ``len(tables)`` rows into ``index`` in place (``stage_flex_index``), in one host-to-device copy."""
+    stage = Staging()
+    staged = stage_flex_index(stage, index.batch, tables, first_positions, context_lens, block_size)
+    write_flex_index(index, stage.send(index.to_logical.device), staged)
 
 
 def make_block_mask(index: FlexIndex, num_queries: int, block_size: int) -> BlockMask:

@@ -130,13 +130,20 @@ def prepare_sampling_batch(
     uses_output = [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
                    for p in params]
     banned = [_banned_ids(p, len(out), eos_token_ids) for p, out in zip(params, output_token_ids, strict=True)]
+    all_greedy = all(greedy)
+    if all_greedy:  # made on the device: no copy from the host (each one a wait on a GPU)
+        temperature = torch.ones(num_rows, dtype=torch.float32, device=device)
+        is_greedy = torch.ones(num_rows, dtype=torch.bool, device=device)
+    else:
+        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                                   dtype=torch.float32, device=device)
+        is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
     return SamplingBatch(
-        temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                                 dtype=torch.float32, device=device),
-        is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        temperature=temperature,
+        is_greedy=is_greedy,
         generators=tuple(generators),
         num_logprobs=tuple(p.logprobs for p in params),
-        all_greedy=all(greedy),
+        all_greedy=all_greedy,
         any_greedy=any(greedy),
         top_k=torch.tensor(top_k, dtype=torch.long, device=device) if any(top_k) else None,
         max_top_k=max(top_k, default=0),
