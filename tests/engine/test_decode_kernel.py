@@ -83,12 +83,14 @@ def test_operator_matches_float64_attention(dtype: torch.dtype, heads: int, kv_h
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 40), (4, 2, 20)])
-@pytest.mark.parametrize("lens", [[37], [5, 70], [16, 1, 130, 47, 32, 9, 200, 3]])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (4, 2, 20)])
+@pytest.mark.parametrize("lens", [[1], [37], [300], [5, 70], [16, 1, 130, 47, 32, 9, 200, 3]])
 def test_float32_queries_read_a_16_bit_cache(kv_dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                                              lens: list[int]) -> None:
     """A float32 engine's cache in 16 bits (``config.pick_kv_dtype``): rows widened as they are read, so the result
-    is float32 attention over the rounded keys and values, to float32 rounding."""
+    is float32 attention over the rounded keys and values, to float32 rounding. One sequence (items of single
+    query heads with 2 threads) over a float16 cache with head size 64 or 128 runs ``attend_f16`` where the CPU
+    has F16C: one key, a tail tile (37), several tiles and blocks (300)."""
     query, keys, values, tables, context = scattered_case(len(lens) + dim, lens, heads, kv_heads, dim, torch.float32)
     keys, values = keys.to(kv_dtype), values.to(kv_dtype)
     out = torch.ops.tokenspool.paged_decode_attention(query, keys, values, tables, context, dim ** -0.5)
