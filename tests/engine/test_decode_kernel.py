@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,16 @@ BLOCK = 16
 def kernel() -> None:
     problem = load_decode_kernel()
     assert problem is None, f"the kernel must build where the tests run (make setup builds it): {problem}"
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The operator picks its work split (and with it its form) by the thread count: 2 threads, the machines'
+    count, where the engine tests otherwise run on one (``conftest.single_torch_thread``)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
 
 
 def scattered_case(seed: int, lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype
@@ -64,6 +75,7 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tab
     return torch.stack(outs)
 
 
+@pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (4, 2, 20)])
 @pytest.mark.parametrize("lens", [[1], [37], [5, 70], [16, 1, 130, 47, 32, 9, 200, 3]])
@@ -82,6 +94,7 @@ def test_operator_matches_float64_attention(dtype: torch.dtype, heads: int, kv_h
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (4, 2, 20)])
 @pytest.mark.parametrize("lens", [[1], [37], [300], [5, 70], [16, 1, 130, 47, 32, 9, 200, 3]])
@@ -89,8 +102,9 @@ def test_float32_queries_read_a_16_bit_cache(kv_dtype: torch.dtype, heads: int, 
                                              lens: list[int]) -> None:
     """A float32 engine's cache in 16 bits (``config.pick_kv_dtype``): rows widened as they are read, so the result
     is float32 attention over the rounded keys and values, to float32 rounding. One sequence (items of single
-    query heads with 2 threads) over a float16 cache with head size 64 or 128 runs ``attend_f16`` where the CPU
-    has F16C: one key, a tail tile (37), several tiles and blocks (300)."""
+    query heads with 2 threads; two sequences too where every query head has its own KV head) over a float16
+    cache with head size 64 or 128 runs ``attend_f16`` where the CPU has F16C: one key, a tail tile (37), several
+    tiles and blocks (300)."""
     query, keys, values, tables, context = scattered_case(len(lens) + dim, lens, heads, kv_heads, dim, torch.float32)
     keys, values = keys.to(kv_dtype), values.to(kv_dtype)
     out = torch.ops.tokenspool.paged_decode_attention(query, keys, values, tables, context, dim ** -0.5)

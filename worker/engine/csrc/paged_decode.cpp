@@ -129,13 +129,19 @@ struct Layout {
 
 // Where each key's token lies in the pool, block by block, into offsets[0, num_keys): no division per key (a
 // 64-bit division by the block size, for every row read and prefetched, took ~40% of the operator's time at 32
-// sequences).
-inline void fill_token_offsets(const Layout& L, const int64_t* table, int64_t num_keys, int64_t* offsets) {
+// sequences). Forms that read keys in tiles of `tile` get offsets up to a whole number of tiles, the tail
+// repeating the first key's (its scores unused); returns that padded count.
+inline int64_t fill_token_offsets(const Layout& L, const int64_t* table, int64_t num_keys, int64_t tile,
+                                  std::vector<int64_t>& offsets) {
+  const int64_t padded = (num_keys + tile - 1) / tile * tile;
+  offsets.resize(padded);
   for (int64_t t0 = 0; t0 < num_keys; t0 += L.block_size) {
     const int64_t base = table[t0 / L.block_size] * L.kv_block;
     const int64_t end = std::min(num_keys, t0 + L.block_size);
     for (int64_t t = t0; t < end; ++t) offsets[t] = base + (t - t0) * L.kv_token;
   }
+  std::fill(offsets.begin() + num_keys, offsets.end(), offsets[0]);
+  return padded;
 }
 
 // scores -> exp(score - max_score) in place; returns their sum (the softmax's denominator).
@@ -182,8 +188,7 @@ void attend(const Layout& L, const Q* query, const KV* keys, const KV* values, c
   std::fill(acc, acc + count * D, 0.f);
   std::fill(max_score, max_score + count, -std::numeric_limits<float>::infinity());
   std::fill(total, total + count, 0.f);
-  token_offsets.resize(num_keys);
-  fill_token_offsets(L, table, num_keys, token_offsets.data());
+  fill_token_offsets(L, table, num_keys, 1, token_offsets);
   const auto offset_of = [&](int64_t t, int64_t kv) { return token_offsets[t] + kv * L.kv_head; };
   // Keys and values are taken kKeysAtOnce at a time: independent dot products, and one pass over `acc` for
   // several values, keep the pipeline busy (one at a time, each waited on the last one's reduction or store).
@@ -273,14 +278,11 @@ void attend_bf16(const Layout& L, const at::BFloat16* query, const at::BFloat16*
                  at::BFloat16* out, std::vector<float>& scratch, std::vector<int64_t>& token_offsets) {
   static_assert(kDim % 64 == 0, "whole 64-value chunks");
   constexpr int kHeadsAtOnce = 4;  // value sums of up to 4 query heads x 64 values in 16 registers
-  const int64_t padded = (num_keys + kTile - 1) / kTile * kTile;
+  const int64_t padded = fill_token_offsets(L, table, num_keys, kTile, token_offsets);
   scratch.resize(count * (kDim + 1 + padded));
   float* acc = scratch.data();               // [count, kDim]
   float* total = acc + count * kDim;         // [count]
   float* scores = total + count;             // [count, padded]
-  token_offsets.resize(padded);
-  fill_token_offsets(L, table, num_keys, token_offsets.data());
-  for (int64_t t = num_keys; t < padded; ++t) token_offsets[t] = token_offsets[0];  // a tile's tail: scores unused
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < count; ++h) {
     const int64_t kv_head = (head0 + h) / L.group;
@@ -371,7 +373,7 @@ inline float max8(__m256 v) {
 // cache (a float32 engine's, `config.pick_kv_dtype`), kDim a multiple of 64, with AVX2, F16C and FMA (AMD EPYCs
 // without AVX-512). Each row is widened in registers as it is used: the generic loop's float32 scratch copy of
 // every row (written, then read again) is gone. Scores: 8 keys a tile, their dot products reduced together.
-// Values: 64 of a row at a time, summed in 8 registers, written out once. SmolLM2's shape, one sequence, AVX2
+// Values: 64 of a row at a time, summed in 8 registers. SmolLM2's shape, one sequence, AVX2
 // code on an AMD EPYC Zen 4, 2 threads, alternating calls: 192 keys 15 against 31 us hot, 52 against 60 us with
 // the caches flushed; 1,024 keys 32 against 101 and 109 against 165 us. Items of several query heads (many
 // sequences) keep the generic loop: forms of this one for them ran 5-25% slower once the rows came from memory.
@@ -381,13 +383,11 @@ void attend_f16(const Layout& L, const float* query, const at::Half* keys, const
                 std::vector<float>& scratch, std::vector<int64_t>& token_offsets) {
   static_assert(kDim % 64 == 0, "whole 64-value chunks");
   TORCH_CHECK(count == 1, "attend_f16: one query head an item");
-  const int64_t padded = (num_keys + kTile8 - 1) / kTile8 * kTile8;
-  scratch.resize(kDim + padded);
-  float* q = scratch.data();      // [kDim] the scaled query
-  float* scores = q + kDim;       // [padded]
-  token_offsets.resize(padded);
-  fill_token_offsets(L, table, num_keys, token_offsets.data());
-  for (int64_t t = num_keys; t < padded; ++t) token_offsets[t] = token_offsets[0];  // a tile's tail: scores unused
+  const int64_t padded = fill_token_offsets(L, table, num_keys, kTile8, token_offsets);
+  scratch.resize(2 * kDim + padded);
+  float* q = scratch.data();    // [kDim] the scaled query
+  float* acc = q + kDim;        // [kDim] the weighted sum of values
+  float* scores = acc + kDim;   // [padded]
   const int64_t kv_head = head0 / L.group;
   const at::Half* head_keys = keys + kv_head * L.kv_head;
   const at::Half* head_values = values + kv_head * L.kv_head;
@@ -415,8 +415,7 @@ void attend_f16(const Layout& L, const float* query, const at::Half* keys, const
     const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(num_keys - t0), lane));
     max_v = _mm256_max_ps(max_v, _mm256_blendv_ps(none, tile, valid));
   }
-  const __m256 inverse = _mm256_set1_ps(1.f / exp_and_sum(scores, num_keys, max8(max_v)));
-  float* dst = out + head0 * L.out_head;
+  const float total = exp_and_sum(scores, num_keys, max8(max_v));
   for (int64_t c = 0; c < kDim; c += 64) {
     __m256 sums[8];
     for (int v = 0; v < 8; ++v) sums[v] = _mm256_setzero_ps();
@@ -426,8 +425,9 @@ void attend_f16(const Layout& L, const float* query, const at::Half* keys, const
       const __m256 weight = _mm256_broadcast_ss(scores + t);
       for (int v = 0; v < 8; ++v) sums[v] = _mm256_fmadd_ps(weight, widen8(row + 8 * v), sums[v]);
     }
-    for (int v = 0; v < 8; ++v) _mm256_storeu_ps(dst + c + 8 * v, _mm256_mul_ps(sums[v], inverse));
+    for (int v = 0; v < 8; ++v) _mm256_storeu_ps(acc + c + 8 * v, sums[v]);
   }
+  write_heads(L, acc, &total, head0, 1, kDim, out);
 }
 #endif
 
