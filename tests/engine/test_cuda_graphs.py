@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from tests.engine.helpers import drain, reference_greedy
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.cuda_graphs import BATCH_BUCKETS, buckets_up_to, is_plain_decode, pick_bucket
+from worker.engine.flex_attention import allocate_flex_index, fill_flex_index
 from worker.engine.scheduler import ScheduledChunk
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -57,6 +58,31 @@ def test_fill_pads_rows_past_the_batch(tiny_llama: Path) -> None:
     assert static.index.kv_num_blocks[:, 0, 0].tolist() == [2, 1, 3, 1]
     assert static.index.kv_indices[2, 0, 0, :3].tolist() == [1, 2, 4]
     assert static.index.to_logical[0, [3, 5, 7]].tolist() == [0, 1, -1]
+
+
+def test_each_fill_leaves_only_its_own_steps_entries(tiny_llama: Path) -> None:
+    """The buckets share one index, and a fill clears only the entries the last one made: after steps of 3, then
+    2, then 4 and 1 rows, the shared tensors equal a fresh index filled with the last step alone, and the rows
+    past its bucket are as allocated."""
+    engine = _engine(tiny_llama, attention_backend="flex", cuda_graphs="padded")
+    graphs, cache = engine.runner.graphs, engine.runner.kv_cache
+    assert graphs is not None
+    shared = graphs._static[4].index  # the largest bucket's views are the whole tensors
+    steps = [[("a", 19, (3, 5)), ("b", 0, (7,)), ("c", 35, (1, 2, 4))],
+             [("a", 20, (3, 5)), ("c", 36, (1, 2, 4))],
+             [("d", 47, (9, 10, 11)), ("e", 3, (6,)), ("f", 16, (12, 13)), ("g", 31, (8, 0))],
+             [("h", 5, (30,))]]
+    for step in steps:
+        chunks = [ScheduledChunk(rid, (1,), pos, blocks, True) for rid, pos, blocks in step]
+        bucket = pick_bucket(len(chunks), graphs.buckets)
+        assert bucket is not None
+        graphs._fill(graphs._static[bucket], chunks)
+        fresh = allocate_flex_index(bucket, 1, cache.num_blocks, cache.key_pool.device)
+        fill_flex_index(fresh, [c.block_ids for c in chunks], [c.start_position for c in chunks],
+                        [c.start_position + 1 for c in chunks], cache.block_size)
+        for name in ("to_logical", "kv_indices", "first_positions", "context_lens", "kv_num_blocks"):
+            assert torch.equal(getattr(shared, name)[:bucket], getattr(fresh, name)), name
+        assert bool((shared.to_logical[bucket:] == -1).all()) and not shared.kv_indices[bucket:].any()
 
 
 @pytest.mark.slow  # ~30 s with a cold inductor cache (compiling flex for 4 shapes)

@@ -25,7 +25,9 @@ from worker.engine.flex_attention import (
     FlexFn,
     FlexIndex,
     FlexStep,
+    StagedIndex,
     allocate_flex_index,
+    clear_flex_index,
     make_block_mask,
     stage_flex_index,
     write_flex_index,
@@ -88,6 +90,8 @@ class DecodeGraphs:
         self._static = {b: self._views(b, ids, positions, slots, index, attend, options, device) for b in self.buckets}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: tuple[int, int] | None = None  # the graphs share one memory pool
+        # The last fill's index entries (its bucket's index, the sent columns), cleared before the next fill
+        self._written: tuple[FlexIndex, list[torch.Tensor], StagedIndex] | None = None
         self.num_steps = 0  # decode steps this path ran
 
     def _views(self, bucket: int, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: FlexIndex,
@@ -129,7 +133,7 @@ class DecodeGraphs:
 
     def _fill(self, static: StaticDecode, chunks: Sequence[ScheduledChunk]) -> None:
         """Write the step into the bucket's buffers, from one host-to-device copy; rows past ``len(chunks)``
-        become padding."""
+        become padding. The index tensors are shared by every bucket: the last step's entries are cleared first."""
         pad = static.input_ids.shape[0] - len(chunks)
         block_size, scratch = self.kv_cache.block_size, self.kv_cache.scratch_slot
         assert scratch is not None, "checked in __init__"
@@ -145,7 +149,10 @@ class DecodeGraphs:
         static.input_ids.copy_(columns[ids])
         static.positions.copy_(columns[starts])
         static.slot_mapping.copy_(columns[slots])
+        if self._written is not None:
+            clear_flex_index(*self._written)
         write_flex_index(static.index, columns, staged)
+        self._written = (static.index, columns, staged)
 
     def _forward(self, static: StaticDecode) -> torch.Tensor:
         return self.forward(static.input_ids, static.positions, static.context, static.logits_indices)

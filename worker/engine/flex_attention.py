@@ -33,8 +33,9 @@ FlexFn = Callable[..., torch.Tensor]
 
 @dataclass(frozen=True)
 class FlexIndex:
-    """The index tensors behind a call's ``BlockMask``, for ``batch`` rows; ``fill_flex_index`` rewrites them in
-    place, so a CUDA graph captured over them replays with the new step's tables."""
+    """The index tensors behind a call's ``BlockMask``, for ``batch`` rows; ``write_flex_index`` fills them in
+    place (and ``clear_flex_index`` empties them again), so a CUDA graph captured over them replays with the new
+    step's tables."""
 
     to_logical: torch.Tensor  # [B, N] int32: logical index of each physical block in row b's table, else -1
     first_positions: torch.Tensor  # [B] int32: position of row b's first query
@@ -160,20 +161,31 @@ def stage_flex_index(stage: Staging, batch: int, tables: Sequence[Sequence[int]]
 
 
 def write_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: StagedIndex) -> None:
-    """Rewrite ``index`` in place from the sent columns (``Staging.send``) that ``staged`` names."""
+    """Write the sent columns (``Staging.send``) that ``staged`` names into ``index`` in place.
+
+    ``index``'s pool-wide tensors (``to_logical``, ``kv_indices``) must hold no other entries: as allocated, or
+    cleared of an earlier write's by ``clear_flex_index``. So a step costs work in its table entries, not in
+    ``batch x pool blocks`` (at 256 rows over a GPU's ~500k blocks, two fills of ~0.5 GB each)."""
     rows, blocks, logical = columns[staged.rows], columns[staged.blocks], columns[staged.logical]
-    index.to_logical.fill_(-1)
     index.to_logical[rows, blocks] = logical.to(torch.int32)
     index.first_positions.copy_(columns[staged.first_positions])
     index.context_lens.copy_(columns[staged.context_lens])
-    index.kv_indices.zero_()
     index.kv_indices[rows, 0, :, logical] = blocks.to(torch.int32)[:, None]
     index.kv_num_blocks.copy_(columns[staged.num_blocks][:, None, None].expand_as(index.kv_num_blocks))
 
 
+def clear_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: StagedIndex) -> None:
+    """Undo the table entries that ``write_flex_index(index, columns, staged)`` made: ``to_logical`` and
+    ``kv_indices`` are as allocated again (the per-row columns are rewritten whole by the next write)."""
+    rows, blocks, logical = columns[staged.rows], columns[staged.blocks], columns[staged.logical]
+    index.to_logical[rows, blocks] = -1
+    index.kv_indices[rows, 0, :, logical] = 0
+
+
 def fill_flex_index(index: FlexIndex, tables: Sequence[Sequence[int]], first_positions: Sequence[int],
                     context_lens: Sequence[int], block_size: int) -> None:
-    """Write ``len(tables)`` rows into ``index`` in place (``stage_flex_index``), in one host-to-device copy."""
+    """Write ``len(tables)`` rows into ``index`` (as allocated) in place (``stage_flex_index``), in one
+    host-to-device copy."""
     stage = Staging()
     staged = stage_flex_index(stage, index.batch, tables, first_positions, context_lens, block_size)
     write_flex_index(index, stage.send(index.to_logical.device), staged)
