@@ -88,7 +88,8 @@ def _request(rid: str) -> Request:
                    generator=None, detokenizer=None)  # type: ignore[arg-type]
 
 
-def test_sampling_that_raises_for_one_request_is_bisected_to_it() -> None:
+@pytest.mark.parametrize("defer_check", [False, True], ids=["cpu", "gpu"])
+def test_sampling_that_raises_for_one_request_is_bisected_to_it(defer_check: bool) -> None:
     requests = [_request(f"r{i}") for i in range(5)]
     chunks = [ScheduledChunk(r.request_id, (2,), 1, (0,), needs_logits=True) for r in requests]
     logits = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
@@ -101,7 +102,7 @@ def test_sampling_that_raises_for_one_request_is_bisected_to_it() -> None:
         return [Draw([int(row.argmax()) + (7 if r.request_id == "r1" else 0)], [None])
                 for r, row in zip(batch, rows, strict=True)]
 
-    draws = draw_tokens(requests, chunks, logits, draw)
+    draws = draw_tokens(requests, chunks, logits, draw, defer_check)
     assert [d.error for d in draws] == [None, "sampled token id 9 is outside the vocabulary [0, 3)", None,
                                         "sampling failed: RuntimeError: boom", None]
     assert [d.token_ids for d in draws] == [[2], [], [2], [], [2]]
@@ -109,11 +110,7 @@ def test_sampling_that_raises_for_one_request_is_bisected_to_it() -> None:
 
 
 def test_non_finite_rows_fail_before_drawing() -> None:
-    requests = [_request(f"r{i}") for i in range(3)]
-    chunks = [ScheduledChunk(r.request_id, (2,), 1, (0,), needs_logits=True) for r in requests]
-    logits = torch.zeros(3, 4)
-    logits[0, 1] = float("nan")
-    logits[2] = float("-inf")
+    requests, chunks, logits = _poisoned_rows()
     seen: list[str] = []
 
     def draw(batch: list[Request], _chunks: list[ScheduledChunk], rows: torch.Tensor) -> list[Draw]:
@@ -123,3 +120,29 @@ def test_non_finite_rows_fail_before_drawing() -> None:
     draws = draw_tokens(requests, chunks, logits, draw)
     assert seen == ["r1"]
     assert [d.error is None for d in draws] == [False, True, False]
+
+
+def test_deferred_checks_draw_every_row_but_only_finite_values() -> None:
+    """On a GPU every request draws in one go: its rows that are not finite arrive as zeros, and it still fails."""
+    requests, chunks, logits = _poisoned_rows()
+    seen: list[torch.Tensor] = []
+
+    def draw(batch: list[Request], _chunks: list[ScheduledChunk], rows: torch.Tensor) -> list[Draw]:
+        seen.append(rows.clone())
+        return [Draw([int(row.argmax())], [None]) for row in rows]
+
+    draws = draw_tokens(requests, chunks, logits, draw, defer_check=True)
+    assert len(seen) == 1 and torch.equal(seen[0], torch.stack([torch.zeros(4), logits[1], torch.zeros(4)]))
+    assert [d.error is not None and "not finite" in d.error for d in draws] == [True, False, True]
+    assert draws[1].token_ids == [3]
+
+
+def _poisoned_rows() -> tuple[list[Request], list[ScheduledChunk], torch.Tensor]:
+    """Three requests' logit rows: a NaN in the first, the second healthy, the third all -inf."""
+    requests = [_request(f"r{i}") for i in range(3)]
+    chunks = [ScheduledChunk(r.request_id, (2,), 1, (0,), needs_logits=True) for r in requests]
+    logits = torch.zeros(3, 4)
+    logits[0, 1] = float("nan")
+    logits[1, 3] = 1.0
+    logits[2] = float("-inf")
+    return requests, chunks, logits

@@ -111,7 +111,7 @@ class DecodeGraphs:
         return is_plain_decode(chunks) and len(chunks) <= self.buckets[-1]
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Logits ``[len(chunks), V]`` of a decode-only step (``can_run``)."""
+        """Logits ``[len(chunks), V]`` of a decode-only step (``can_run``); float32 when replayed."""
         bucket = pick_bucket(len(chunks), self.buckets)
         assert bucket is not None and is_plain_decode(chunks), "not a step DecodeGraphs can run"
         static = self._static[bucket]
@@ -123,7 +123,8 @@ class DecodeGraphs:
             self._graphs[bucket] = self._record(static)
         graph, logits = self._graphs[bucket]
         graph.replay()
-        return logits[:len(chunks)].clone()  # the next replay overwrites the static output
+        # A copy (the next replay overwrites the static output), made in the float32 the sampler takes: one kernel
+        return logits[:len(chunks)].to(torch.float32, copy=True)
 
     def graph(self, bucket: int) -> torch.cuda.CUDAGraph | None:
         """The graph captured for ``bucket``: None before the bucket's first step, and always without capture.

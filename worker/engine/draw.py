@@ -2,8 +2,9 @@
 
 A request fails (``Draw.error``) when its logit rows are not finite (a NaN or +inf anywhere, or every entry
 -inf: nothing can be sampled from them), when drawing for it raises, or when a drawn id is outside the
-vocabulary. Drawing runs once over the healthy requests; if it raises, the batch is bisected until the
-requests that raise are alone, so the others still get their tokens in the same step.
+vocabulary. Drawing runs once over the healthy requests (on a GPU over all of them, the unhealthy rows zeroed:
+``draw_tokens``); if it raises, the batch is bisected until the requests that raise are alone, so the others
+still get their tokens in the same step.
 """
 
 from __future__ import annotations
@@ -46,11 +47,23 @@ def row_spans(chunks: Sequence[ScheduledChunk]) -> list[range]:
 
 
 def draw_tokens(requests: Sequence[Request], chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
-                draw: DrawFn) -> list[Draw]:
+                draw: DrawFn, defer_check: bool = False) -> list[Draw]:
     """``logits``: [sum(1 + num_spec_tokens), V]. One ``Draw`` per request, in order; nothing raises for a
-    request's sake (an exception that every single request raises alike still ends up per request)."""
+    request's sake (an exception that every single request raises alike still ends up per request).
+
+    Which rows are finite is read back before drawing, and only the healthy requests draw. ``defer_check`` (a
+    GPU, where each read-back waits for the device) draws for every request at once instead, the rows that are
+    not finite replaced by zeros first so that no sampler sees them, and reads the check back with the drawn
+    tokens: one wait per step, not two, and the sampler's kernels queue behind the forward pass."""
     spans = row_spans(chunks)
-    finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [rows]: amax propagates NaN
+    finite_rows = torch.isfinite(logits.amax(dim=-1))  # [rows]: amax propagates NaN
+    if defer_check:
+        rows = torch.where(finite_rows[:, None], logits, 0.0)  # [rows, V]
+        drawn = _draw_isolating(requests, chunks, spans, rows, draw, list(range(len(requests))))
+        finite = finite_rows.tolist()
+    else:
+        finite = finite_rows.tolist()
+        drawn = {}
     draws: list[Draw | None] = [None] * len(requests)
     healthy = []
     for i, span in enumerate(spans):
@@ -58,8 +71,10 @@ def draw_tokens(requests: Sequence[Request], chunks: Sequence[ScheduledChunk], l
             healthy.append(i)
         else:
             draws[i] = Draw(error="the model's logits for this request are not finite (NaN or inf)")
-    for i, result in _draw_isolating(requests, chunks, spans, logits, draw, healthy).items():
-        draws[i] = _checked(result, int(logits.shape[-1]))
+    if not defer_check:
+        drawn = _draw_isolating(requests, chunks, spans, logits, draw, healthy)
+    for i in healthy:
+        draws[i] = _checked(drawn[i], int(logits.shape[-1]))
     assert all(d is not None for d in draws)
     return [d for d in draws if d is not None]
 

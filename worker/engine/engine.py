@@ -188,8 +188,9 @@ class Engine:
         if self.beams.num_groups:
             chunks, logits, beam_events = self.beams.take(chunks, logits)
         requests = [self._requests[c.request_id] for c in chunks]
-        events = [self._settle(r, d) for r, d in zip(requests, draw_tokens(requests, chunks, logits, self._draw),
-                                                     strict=True)] if chunks else []
+        draws = draw_tokens(requests, chunks, logits, self._draw, defer_check=self.runner.device.type != "cpu"
+                            ) if chunks else []
+        events = [self._settle(r, d) for r, d in zip(requests, draws, strict=True)]
         events += beam_events
         if self.spec is not None:
             self.spec.forget(self.scheduler.running)
