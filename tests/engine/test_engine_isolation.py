@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import worker.engine.engine as engine_module
 from tests.engine.helpers import drain, poison_token
 from worker.engine import Engine, EngineConfig, SamplingParams
+from worker.engine.block_pool import hash_block
 from worker.engine.draw import Draw, draw_tokens
 from worker.engine.request import Request
 from worker.engine.scheduler import ScheduledChunk
@@ -49,9 +51,21 @@ def poisoned(tiny_llama: Path, dtype: str) -> Engine:
     return engine
 
 
+@pytest.fixture(params=[False, True], ids=["checked-first", "checked-after"])
+def check_after(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether the engine draws first and checks the logits after (what it does on a GPU, ``draw_tokens``'s
+    ``defer_check``), forced here on the CPU."""
+    if request.param:
+        def deferred(*args: object, **kwargs: object) -> list[Draw]:
+            return draw_tokens(*args, **{**kwargs, "defer_check": True})  # type: ignore[arg-type]
+
+        monkeypatch.setattr(engine_module, "draw_tokens", deferred)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_request_with_nan_logits_fails_alone(tiny_llama: Path, poisoned: Engine, dtype: str,
-                                               params: SamplingParams) -> None:
+                                               params: SamplingParams, check_after: bool) -> None:
     expected = _run(_engine(tiny_llama, dtype), PROMPTS, params)
     for rid, prompt in PROMPTS.items():
         poisoned.add_request(rid, prompt, params)
@@ -75,12 +89,31 @@ def test_a_request_with_nan_logits_fails_alone(tiny_llama: Path, poisoned: Engin
     assert again == {f"{rid}2": ids for rid, ids in expected.items()}
 
 
-def test_a_group_choice_with_nan_logits_fails_its_siblings_too(poisoned: Engine) -> None:
+def test_a_group_choice_with_nan_logits_fails_its_siblings_too(poisoned: Engine, check_after: bool) -> None:
     poisoned.add_request_group(["g#0", "g#1"], [5, POISON], GREEDY)
     poisoned.add_request("ok", PROMPTS["a"], GREEDY)
     run = drain(poisoned)
     assert {rid: e.finish_reason for rid, e in run.finished.items()} == {"g#0": "error", "g#1": "error",
                                                                         "ok": "length"}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.0, beam_width=2, max_tokens=4)],
+                         ids=["request", "beam-group"])
+def test_a_failed_requests_blocks_are_zeroed_and_uncached(tiny_llama: Path, dtype: str,
+                                                          params: SamplingParams) -> None:
+    """What a failed request leaves is scrubbed: its NaN K/V would poison a later owner's padded attention (0 x
+    NaN), and a prefix-cache hit on its blocks must find NaN computed again, not zeros."""
+    engine = _engine(tiny_llama, dtype)
+    poison_token(engine, POISON)
+    prompt = [5, 6, POISON, 8, 9, 10]  # one full block of 4, then two tokens
+    for attempt in range(2):
+        engine.add_request_group([f"poison{attempt}"], prompt, params)
+        run = drain(engine)
+        assert "not finite" in (run.finished[f"poison{attempt}"].error or "")
+        cache = engine.runner.kv_cache
+        assert bool(torch.isfinite(cache.key_pool).all()) and bool(torch.isfinite(cache.value_pool).all())
+        assert engine.block_pool.lookup(hash_block(None, prompt[:4])) is None
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
 def _request(rid: str) -> Request:

@@ -29,6 +29,7 @@ from worker.engine.scheduler import ScheduledChunk, Scheduler
 log = logging.getLogger(__name__)
 
 Detokenize = Callable[[list[int], list[int]], str]  # (prompt ids, output ids without a final stop token) -> text
+Scrub = Callable[[Sequence[int]], None]  # block ids a failed group held, once freed
 
 
 def beam_request_id(output_id: str, index: int) -> str:
@@ -57,11 +58,12 @@ class BeamSearch:
     """The engine's beam-search groups: takes their logit rows out of each step and forks their beams."""
 
     def __init__(self, scheduler: Scheduler, pool: BlockPool, requests: dict[str, Request],
-                 detokenize: Detokenize) -> None:
+                 detokenize: Detokenize, scrub: Scrub) -> None:
         self._scheduler = scheduler
         self._pool = pool
         self._requests = requests  # the engine's: every beam lives there while its group runs
         self._detokenize = detokenize
+        self._scrub = scrub  # a failed group's freed blocks: zeroed and uncached (``Engine._scrub``)
         self._groups: dict[str, BeamGroup] = {}  # output id -> group
         self._group_of_beam: dict[str, BeamGroup] = {}
 
@@ -182,7 +184,9 @@ class BeamSearch:
     def _fail(self, group: BeamGroup, error: str) -> list[StepOutput]:
         log.warning("beam group %s failed: %s", group.output_ids[0], error)
         beam0 = group.beams[0]
+        block_ids = [b for beam in group.beams for b in beam.block_ids]
         self._end(group)
+        self._scrub(block_ids)
         return [StepOutput(request_id=output_id, new_token_ids=(), text_delta="", finished=True,
                            finish_reason="error", num_prompt_tokens=beam0.num_prompt_tokens, num_output_tokens=0,
                            num_cached_tokens=beam0.num_cached_tokens, error=error)

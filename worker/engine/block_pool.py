@@ -97,6 +97,11 @@ class BlockPool:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
 
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Drop these blocks' cached content: no later prefix lookup finds them."""
+        for block_id in block_ids:
+            self._forget_hash(block_id)
+
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Record that ``block_id`` now holds the full block with ``block_hash``.
 

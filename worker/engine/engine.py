@@ -63,7 +63,7 @@ class Engine:
             config, self.runner, self.sampler, self._tokenizer, self.eos_token_ids)
         self.grammar = GrammarCompiler(self._tokenizer, self.runner.shape.vocab_size, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
-        self.beams = BeamSearch(self.scheduler, self.block_pool, self._requests, self._detokenize)
+        self.beams = BeamSearch(self.scheduler, self.block_pool, self._requests, self._detokenize, self._scrub)
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
 
@@ -298,15 +298,27 @@ class Engine:
         return event
 
     def _fail(self, request: Request, error: str) -> StepOutput:
-        """End one request with finish reason "error"; its blocks are freed and the rest of the batch goes on."""
+        """End one request with finish reason "error"; its blocks are scrubbed and freed, and the rest of the batch
+        goes on."""
         log.warning("request %s failed: %s", request.request_id, error)
         request.finish_reason = "error"
         self._requests.pop(request.request_id, None)
+        block_ids = list(request.block_ids)
         self.scheduler.finish(request)
+        self._scrub(block_ids)
         return StepOutput(request_id=request.request_id, new_token_ids=(), text_delta="", finished=True,
                           finish_reason="error", num_prompt_tokens=request.num_prompt_tokens,
                           num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
                           error=error)
+
+    def _scrub(self, block_ids: Sequence[int]) -> None:
+        """After a failed request's blocks are freed: zero those nobody holds any more, and drop them from the
+        prefix cache. Its K/V may be NaN, and a later owner's padded attention reads the slots it has not written
+        yet (0 x NaN is NaN). Blocks still held keep their content: computed before it went wrong, or every
+        holder fails alike."""
+        freed = [b for b in dict.fromkeys(block_ids) if self.block_pool.ref_count(b) == 0]
+        self.block_pool.forget(freed)
+        self.runner.kv_cache.zero_blocks(freed)
 
     def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list[Logprob | None],
                        num_draft_tokens: int = 0, num_accepted_tokens: int = 0) -> StepOutput:

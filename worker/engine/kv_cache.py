@@ -16,8 +16,9 @@ from worker.engine.config import EnginePlan, ModelShape
 
 
 class KVCache:
-    """Preallocated K/V storage for all layers. Zero-initialised: padded gathers read finite values, so masked
-    positions contribute exactly nothing (garbage NaNs would survive a zero attention weight).
+    """Preallocated K/V storage for all layers. Zero-initialised, and a failed request's blocks are zeroed again
+    (``zero_blocks``): padded gathers read finite values, so masked positions contribute exactly nothing (garbage
+    NaNs would survive a zero attention weight).
 
     ``scratch_block``: one block more than the pool, never allocated to a request: padded rows of a static-shape
     step (``cuda_graphs.py``) write their K/V there (``scratch_slot``).
@@ -84,6 +85,14 @@ class KVCache:
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.keys[0].device)
         for pool in (self.key_pool, self.value_pool):  # [L, num_blocks, ...]: every layer's blocks at once
             pool.index_copy_(1, dst, pool.index_select(1, src))
+
+    def zero_blocks(self, block_ids: Sequence[int]) -> None:
+        """Zero blocks in every layer: what a failed request leaves (its K/V may be NaN) is finite again."""
+        if not block_ids:
+            return
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[0].device)
+        for pool in (self.key_pool, self.value_pool):
+            pool.index_fill_(1, index, 0)
 
 
 def prepare_slot_mapping(block_ids: Sequence[int], start: int, num_tokens: int, block_size: int) -> list[int]:
