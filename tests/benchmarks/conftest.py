@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
+
+from tests.engine.helpers import torch_threads
 
 
 @pytest.fixture(autouse=True)
 def single_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield

@@ -14,15 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.engine.helpers import torch_threads
 from worker.engine.linear import quantize_int4
 
 
 @pytest.fixture(scope="session", autouse=True)
 def single_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")

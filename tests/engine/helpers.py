@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -16,6 +18,17 @@ from worker.engine.decoder import Decoder
 from worker.engine.linear import half_packs
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledChunk
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Torch's intra-op thread count set to ``count`` inside, restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 # float16 weights (``--quantization fp16``, float32 layers' dense copies) need fbgemm: torch's x86 builds
 needs_fbgemm = pytest.mark.skipif(not half_packs(torch.device("cpu")), reason="no fbgemm (x86 builds of torch)")

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.helpers import mixed_workload
+from tests.engine.helpers import mixed_workload, torch_threads
 from tests.engine.test_engine_parity import check_parity
 from worker.engine import Engine, EngineConfig, decode_kernel
 from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
@@ -37,10 +37,8 @@ def kernel() -> None:
 def two_threads() -> Iterator[None]:
     """The operator picks its work split (and with it its form) by the thread count: 2 threads, the machines'
     count, where the engine tests otherwise run on one (``conftest.single_torch_thread``)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(2):
+        yield
 
 
 def scattered_case(seed: int, lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype

@@ -52,20 +52,20 @@ def poisoned(tiny_llama: Path, dtype: str) -> Engine:
 
 
 @pytest.fixture(params=[False, True], ids=["checked-first", "checked-after"])
-def check_after(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Whether the engine draws first and checks the logits after (what it does on a GPU, ``draw_tokens``'s
-    ``defer_check``), forced here on the CPU."""
+def check_after(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs a test with the engine checking the logits before drawing (the CPU's order), then with it drawing first
+    and checking after (the GPU's, ``draw_tokens``'s ``defer_check``), forced here on the CPU."""
     if request.param:
         def deferred(*args: object, **kwargs: object) -> list[Draw]:
             return draw_tokens(*args, **{**kwargs, "defer_check": True})  # type: ignore[arg-type]
 
         monkeypatch.setattr(engine_module, "draw_tokens", deferred)
-    return bool(request.param)
 
 
+@pytest.mark.usefixtures("check_after")
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_request_with_nan_logits_fails_alone(tiny_llama: Path, poisoned: Engine, dtype: str,
-                                               params: SamplingParams, check_after: bool) -> None:
+                                               params: SamplingParams) -> None:
     expected = _run(_engine(tiny_llama, dtype), PROMPTS, params)
     for rid, prompt in PROMPTS.items():
         poisoned.add_request(rid, prompt, params)
@@ -89,7 +89,8 @@ def test_a_request_with_nan_logits_fails_alone(tiny_llama: Path, poisoned: Engin
     assert again == {f"{rid}2": ids for rid, ids in expected.items()}
 
 
-def test_a_group_choice_with_nan_logits_fails_its_siblings_too(poisoned: Engine, check_after: bool) -> None:
+@pytest.mark.usefixtures("check_after")
+def test_a_group_choice_with_nan_logits_fails_its_siblings_too(poisoned: Engine) -> None:
     poisoned.add_request_group(["g#0", "g#1"], [5, POISON], GREEDY)
     poisoned.add_request("ok", PROMPTS["a"], GREEDY)
     run = drain(poisoned)

@@ -58,25 +58,15 @@ def draw_tokens(requests: Sequence[Request], chunks: Sequence[ScheduledChunk], l
     spans = row_spans(chunks)
     finite_rows = torch.isfinite(logits.amax(dim=-1))  # [rows]: amax propagates NaN
     if defer_check:
-        rows = torch.where(finite_rows[:, None], logits, 0.0)  # [rows, V]
-        drawn = _draw_isolating(requests, chunks, spans, rows, draw, list(range(len(requests))))
-        finite = finite_rows.tolist()
-    else:
-        finite = finite_rows.tolist()
-        drawn = {}
-    draws: list[Draw | None] = [None] * len(requests)
-    healthy = []
-    for i, span in enumerate(spans):
-        if all(finite[row] for row in span):
-            healthy.append(i)
-        else:
-            draws[i] = Draw(error="the model's logits for this request are not finite (NaN or inf)")
+        zeroed = torch.where(finite_rows[:, None], logits, 0.0)  # [rows, V]
+        drawn = _draw_isolating(requests, chunks, spans, zeroed, draw, list(range(len(requests))))
+    finite = finite_rows.tolist()
+    healthy = [all(finite[row] for row in span) for span in spans]
     if not defer_check:
-        drawn = _draw_isolating(requests, chunks, spans, logits, draw, healthy)
-    for i in healthy:
-        draws[i] = _checked(drawn[i], int(logits.shape[-1]))
-    assert all(d is not None for d in draws)
-    return [d for d in draws if d is not None]
+        drawn = _draw_isolating(requests, chunks, spans, logits, draw, [i for i, ok in enumerate(healthy) if ok])
+    return [_checked(drawn[i], int(logits.shape[-1])) if ok
+            else Draw(error="the model's logits for this request are not finite (NaN or inf)")
+            for i, ok in enumerate(healthy)]
 
 
 def _draw_isolating(requests: Sequence[Request], chunks: Sequence[ScheduledChunk], spans: list[range],
