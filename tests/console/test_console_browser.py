@@ -199,7 +199,9 @@ def test_job_list_shows_the_callers_jobs(browser: Any, stack: ApiProcess) -> Non
 
 def test_job_page_follows_a_running_job_across_an_api_restart(browser: Any, stack: ApiProcess) -> None:
     with api_client(stack) as client:
-        job_id = client.post("/v1/jobs", json={"prompt": "Once upon a time", "max_tokens": 200,
+        # Long enough (no EOS) to still be running when the page cancels it, after a restart on a loaded machine:
+        # at 200 tokens it could finish first (then "completed", never "cancelled").
+        job_id = client.post("/v1/jobs", json={"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True,
                                                "temperature": 0}).json()["id"]
     browser.get(f"{stack.base_url}/ui/#/jobs/{job_id}")
     wait_for(browser, lambda: count_of(browser, "#job-events tr") >= 4, "live events")
