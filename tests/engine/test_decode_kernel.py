@@ -21,7 +21,7 @@ from tests.engine.helpers import mixed_workload, torch_threads
 from tests.engine.test_engine_parity import check_parity
 from worker.engine import Engine, EngineConfig, decode_kernel
 from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
-from worker.engine.linear import pack_q4_1
+from worker.engine.linear import pack_q4_1, tile_q4_1
 from worker.engine.pointwise import rms_norm, rope, silu_and_mul
 
 BLOCK = 16
@@ -252,6 +252,81 @@ def test_int4_linear_rejects_what_it_cannot_read() -> None:
         op(torch.zeros(1, 64), codes, torch.ones(4, 3, dtype=torch.half), scales)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op(torch.zeros(1, 64, dtype=torch.float16), codes, scales, scales)
+
+
+def q4_1_tiles_case(seed: int, out_features: int, groups: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``q4_1_case``'s random blocks in ``q4_1_rows``'s tiles (``tile_q4_1``), and the weights [N, K] in float64."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, 32 * groups), dtype=torch.int32, generator=generator)
+    scales = (torch.rand(out_features, groups, generator=generator) * 0.01).half()
+    mins = (-torch.rand(out_features, groups, generator=generator) * 0.08).half()
+    weight = codes.view(out_features, groups, 32).double() * scales.double()[..., None] + mins.double()[..., None]
+    return tile_q4_1(codes, scales, mins), weight.view(out_features, -1)
+
+
+# (rows, blocks of 8 columns, groups): tiles of 2 rows x 2 blocks and their tails (an odd row, an odd block), one
+# group and SmolLM2's 18 and 48.
+TILE_SHAPES = [(1, 1, 1), (2, 2, 1), (3, 3, 2), (5, 4, 18), (32, 12, 18), (7, 9, 48)]
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize(("rows", "blocks", "groups"), TILE_SHAPES)
+def test_q4_1_rows_is_exact_on_activations_8_bits_hold(rows: int, blocks: int, groups: int) -> None:
+    """Activations that 8-bit integers per group of 32 hold exactly (integers, each group's largest +-127) make
+    the integer dot products the whole computation: the result is x @ (scales * codes + mins).T to float32
+    rounding, for every tile and tail, from a strided x."""
+    tiles, weight = q4_1_tiles_case(rows * 1000 + blocks * 10 + groups, 8 * blocks, groups)
+    generator = torch.Generator().manual_seed(groups)
+    x = torch.randint(-127, 128, (rows, 2 * 32 * groups), generator=generator).float()[:, ::2]
+    x[:, ::32] = 127.0 * torch.where(torch.arange(rows)[:, None] % 2 == 0, 1.0, -1.0)
+    expected = x.double() @ weight.T
+    out = torch.ops.tokenspool.q4_1_rows(x, *tiles)
+    assert out.dtype == torch.float32 and out.shape == (rows, 8 * blocks)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+
+
+def test_q4_1_rows_errs_by_the_8_bit_rounding_of_the_activations() -> None:
+    """On real-valued rows the result is w . x' for x' rounded to 8 bits per group of 32 (each value moves by at
+    most half a step, step = max |x| / 127), so it is off x @ w.T by at most sum_g half_step * sum |w| of the group,
+    and the rounding meets the weights about their middle: ~0.5% of the result's norm on SmolLM2-sized rows, not
+    the ~1.3% of rounding against the codes alone."""
+    tiles, weight = q4_1_tiles_case(11, 64, 18)
+    x = torch.randn(32, weight.shape[1], generator=torch.Generator().manual_seed(11))
+    expected = x.double() @ weight.T
+    out = torch.ops.tokenspool.q4_1_rows(x, *tiles).double()
+    half_step = x.double().view(32, 18, 32).abs().amax(-1) / 127 / 2  # [M, G]
+    bound = half_step @ weight.abs().view(64, 18, 32).sum(-1).T + 1e-6 * (x.double().abs() @ weight.abs().T)
+    assert bool(((out - expected).abs() <= bound).all())
+    assert float((out - expected).norm() / expected.norm()) < 0.008
+
+
+def test_q4_1_rows_carries_non_finite_activations() -> None:
+    """A NaN or an infinity among a row's activations makes that row's result non-finite, the others finite."""
+    tiles, _ = q4_1_tiles_case(5, 16, 2)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(5, 64)
+        x[3, 40] = bad
+        out = torch.ops.tokenspool.q4_1_rows(x, *tiles)
+        finite = torch.isfinite(out).all(dim=1)
+        assert finite.tolist() == [True, True, True, False, True]
+        assert not bool(torch.isfinite(out[3]).any())
+
+
+def test_q4_1_rows_rejects_what_it_cannot_read() -> None:
+    op = torch.ops.tokenspool.q4_1_rows
+    (tiles, scales, mins), _ = q4_1_tiles_case(1, 16, 2)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.zeros(1, 64, dtype=torch.bfloat16), tiles, scales, mins)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.zeros(1, 48), tiles, scales, mins)
+    with pytest.raises(RuntimeError, match="tiles"):
+        op(torch.zeros(1, 96), tiles, scales, mins)
+    with pytest.raises(RuntimeError, match="tiles"):
+        op(torch.zeros(1, 64), tiles.to(torch.int8), scales, mins)
+    with pytest.raises(RuntimeError, match="scales, mins"):
+        op(torch.zeros(1, 64), tiles, scales.half(), mins)
+    with pytest.raises(RuntimeError, match="scales, mins"):
+        op(torch.zeros(1, 64), tiles, scales, mins[:1])
 
 
 # One rounding to the compute dtype against the torch forms' two or three: a bf16/float16 ulp apart at most,

@@ -161,8 +161,9 @@ def test_plan_compute_refuses_quantization_it_cannot_run(config: EngineConfig, d
 
 def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int4(snapped_llama: Path) -> None:
     """What a worker builds unconfigured (``quantization="auto"``, no dtype) where the CPU flags give float32:
-    the own decoder with float32 activations and the int4 kernels for few rows, the dense weights float16 in
-    fbgemm's layout where torch has fbgemm (plain float32 elsewhere)."""
+    the own decoder with float32 activations and the int4 kernels for few rows; for many rows tokenspool's Q4_1
+    tiles where its operators run the int4 layers (``q4_1``), else the dense weights float16 in fbgemm's layout
+    where torch has fbgemm (plain float32 elsewhere)."""
     config = EngineConfig(model=str(snapped_llama), quantization="auto")
     dtype = pick_dtype(config, CPU, frozenset({"avx2", "fma"}))
     model, decoder, compute = load_model(config, snapped_llama, CPU, dtype)
@@ -172,7 +173,8 @@ def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int
     assert isinstance(decoder, Decoder) and decoder is model and decoder.embed.dtype == torch.float32
     qkv = decoder.layers[0].qkv
     assert qkv.quantization == int4 and qkv.max_rows == compute.quantized_max_rows
-    assert qkv.layout() == ("half" if half else "plain") and qkv.dense_weight().dtype == torch.float32
+    assert qkv.layout() == ("tiles" if int4 == "q4_1" else "half" if half else "plain")
+    assert qkv.dense_weight().dtype == torch.float32
     assert qkv.scales.dtype == (torch.float16 if int4 == "q4_1" else torch.bfloat16)
 
 

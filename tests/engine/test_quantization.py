@@ -26,6 +26,7 @@ from worker.engine.linear import (
     prepacks,
     quantize_int4,
     quantize_q8_0,
+    tile_q4_1,
 )
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledChunk
@@ -189,6 +190,32 @@ def test_float16_weights_compute_f_linear_on_the_rounded_weight(rows: int) -> No
         PackedLinear(weight, bias, torch.bfloat16, "fp16")
 
 
+def test_a_float32_q4_1_layer_keeps_tiles_for_many_rows_and_no_dense_copy(operators: None) -> None:
+    """Under float32 a q4_1 layer runs few rows on ``int4_linear`` (16-bit activations) and more on ``q4_1_rows``
+    (8-bit activations, the tiles of ``tile_q4_1``), with no dense copy: ``dense_weight`` rebuilds the Q4_1
+    weights exactly. Rows past ``max_rows`` agree with the one-row kernel to the 8-bit rounding (~0.5%); a layer
+    whose output columns are no multiple of 8, and a bf16 one, keep a dense copy."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 128) * 0.05, torch.randn(96) * 0.1
+    linear = PackedLinear(weight, bias, torch.float32, "q4_1")
+    codes, scales, low = quantize_int4(weight)
+    assert linear.layout() == "tiles" and linear.weight is None and linear.tiles is not None
+    for got, expected in zip(linear.tiles, tile_q4_1(codes, scales.half(), low.half()), strict=True):
+        assert torch.equal(got, expected)
+    grid = (codes.view(96, 4, 32).float() * scales.half().float()[..., None]
+            + low.half().float()[..., None]).view(96, 128)
+    assert torch.equal(linear.dense_weight(), grid)
+    x = torch.randn(QUANTIZED_MAX_ROWS + 9, 128)
+    with torch.inference_mode():
+        many = linear(x)
+        one_by_one = torch.cat([linear(row[None]) for row in x])
+    exact = torch.nn.functional.linear(x.double(), grid.double(), bias.double())
+    assert float((one_by_one.double() - exact).norm() / exact.norm()) < 1e-4
+    assert float((many.double() - exact).norm() / exact.norm()) < 0.01
+    assert PackedLinear(torch.randn(92, 128), None, torch.float32, "q4_1").layout() != "tiles"
+    assert PackedLinear(weight, bias, torch.bfloat16, "q4_1").layout() != "tiles"
+
+
 @needs_fbgemm
 def test_a_float32_decoder_keeps_float16_weights_and_head(tiny_llama: Path) -> None:
     """float32 under int4: int4 codes plus a float16 dense copy; the LM head float16 alone (faster than the int8
@@ -234,6 +261,7 @@ QUALITY_CASES = [(torch.bfloat16, None, "prefill"), (torch.bfloat16, "int8", "pr
                  (torch.bfloat16, "int4 torch-head", "decode"),
                  (torch.float32, "int4", "prefill"), (torch.float32, "int4", "decode"),
                  (torch.bfloat16, "q4_1", "decode"), (torch.float32, "q4_1", "decode"),
+                 (torch.float32, "q4_1", "prefill"),
                  (torch.float32, "q4_1 kv16", "decode"),
                  (torch.float32, "fp16", "prefill"), (torch.float32, "fp16", "decode")]
 
@@ -253,7 +281,9 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
     float16 weights with float32 activations, and q4_1 with float32 activations (16-bit integer activations in the
     operator: 100%, perplexity 6.899 against 6.900, AMD EPYC Zen 3; over a float16 KV cache 100%, 6.899, Xeon),
     keep >= 99.5% (``NEAR_EXACT_MIN_AGREEMENT``).
-    Prefill rows run the dense de-quantised weights, decode rows the weight-only kernels with bf16 activations."""
+    Prefill rows run the dense de-quantised weights, decode rows the weight-only kernels with bf16 activations;
+    float32 q4_1 prefill rows run ``q4_1_rows`` (activations rounded to 8 bits per group of 32, llama.cpp's Q8_1
+    rounding): 99.3%, perplexity 6.86 (AMD EPYC Zen 3), held to the bf16 bar of 97%."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     source = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     runners = {dtype: ModelRunner(EngineConfig(model=str(smollm2), dtype=name, block_size=16, num_kv_blocks=16,
@@ -278,7 +308,8 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
             agree += int((logits.argmax(-1) == reference.argmax(-1)).sum())
             nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
         case = (dtype, case_name, forward)
-        exact_enough = quantization == "fp16" or (quantization == "q4_1" and dtype == torch.float32)
+        exact_enough = quantization == "fp16" or (quantization == "q4_1" and dtype == torch.float32
+                                                   and forward == "decode")
         assert agree / total >= (NEAR_EXACT_MIN_AGREEMENT if exact_enough else 0.97), case
         assert math.exp(nll / total) <= 1.03 * math.exp(nll_ref / total), case
 

@@ -30,7 +30,11 @@ activations rounded once per call to 16-bit integers per group of 32 (a value mo
 largest) so that each group's dot product with the 4-bit codes is an exact integer one, float32 accumulation. Where
 torch's int4 kernel runs its AVX2 code (CPUs without AVX-512) this one is 1.5-1.7x faster at 1-4 rows (AMD EPYC
 Zen 3), and greedy decode agrees with the float32 model at every position tested (``config.own_int4_kernel`` picks
-it).
+it). Under float32 such a layer keeps no dense copy: calls of more than ``max_rows`` rows (prefill chunks, decode
+batches) go to ``tokenspool::q4_1_rows`` (``csrc/q4_1_rows.cpp``) over the same codes one a byte in tiles
+(``tile_q4_1``), with the activations rounded to 8 bits per group of 32 (llama.cpp's rounding of them) for AVX2's
+8-bit integer multiply-adds: 1.3-1.7x fbgemm's float16 matmul from 8 rows on an AVX2-only EPYC (Zen 3), greedy
+agreement with the float32 model 99.3% on prefill rows (bf16's), half the bytes of the float16 copy.
 
 ``"fp16"`` keeps float32 activations and accumulation but stores the weight as float16, in fbgemm's packed layout
 (``half_pack``; torch's x86 builds carry fbgemm): a matmul reads half the bytes of a float32 one and converts them
@@ -144,6 +148,27 @@ def pack_q4_1(codes: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor
     return (groups[..., :half] | (groups[..., half:] << 4)).reshape(rows, cols // 2).contiguous()
 
 
+TILE_COLUMNS = 8  # output columns a ``tile_q4_1`` tile holds (``csrc/q4_1_rows.cpp``)
+
+
+def tile_q4_1(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int = GROUP_SIZE
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_int4``'s codes [N, K] and float16 scales and minimums [N, K/g] in ``tokenspool::q4_1_rows``'s
+    tiles: codes one a byte [N/8, K/g, g/4, 8, 4] (8 columns x 4 inputs a vector), scales and minimums float32
+    [N/8, K/g, 8]. N a multiple of 8."""
+    rows, cols = codes.shape
+    blocks, groups = rows // TILE_COLUMNS, cols // group_size
+    tiles = codes.to(torch.uint8).view(blocks, TILE_COLUMNS, groups, group_size // 4, 4).permute(0, 2, 3, 1, 4)
+    by_block = [t.float().view(blocks, TILE_COLUMNS, groups).transpose(1, 2).contiguous() for t in (scales, mins)]
+    return tiles.contiguous(), by_block[0], by_block[1]
+
+
+def tiles_q4_1(quantization: str | None, dtype: torch.dtype, out_features: int) -> bool:
+    """Whether a q4_1 layer computing in ``dtype`` runs its calls of many rows on ``q4_1_rows`` (float32 compute,
+    ``out_features`` a multiple of 8) rather than on float16 weights."""
+    return quantization == "q4_1" and dtype == torch.float32 and out_features % TILE_COLUMNS == 0
+
+
 def lies_on_int4_grid(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> bool:
     """Whether int4 groups of ``group_size`` reproduce ``weight`` exactly (to float32 rounding): true of weights
     de-quantised from GGUF Q4_1 blocks, false of trained float weights."""
@@ -167,18 +192,20 @@ class PackedLinear(nn.Module):
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
         if quantization is not None and dtype not in QUANTIZED_COMPUTE_DTYPES:
             raise ValueError(f"quantized layers compute in one of {QUANTIZED_COMPUTE_DTYPES}, got {dtype}")
-        self.half = keeps_half(quantization, dtype, weight.device)
+        self.out_features, self.in_features = weight.shape
+        self.tiled = tiles_q4_1(quantization, dtype, self.out_features)
+        self.half = keeps_half(quantization, dtype, weight.device) and not self.tiled
         if quantization == "fp16" and not self.half:
             raise ValueError(f"quantization 'fp16' needs dtype float32 on a CPU with fbgemm, got {dtype} on "
                              f"{weight.device.type}")
         if quantization in ("q8_0", "q4_1") and not decode_kernel.loaded():
             raise ValueError(f"quantization {quantization!r} needs the C++ operators "
                              "(decode_kernel.load_decode_kernel)")
-        self.out_features, self.in_features = weight.shape
         self.quantization, self.max_rows = quantization, max_rows
         self.bias = None if bias is None else bias.detach().to(dtype)
         weight = weight.detach().float()
         self.codes = self.scales = self.mins = None
+        self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if quantization == "int8":
             codes, scales = quantize_int8(weight)
             self.codes, self.scales = codes, scales.to(KERNEL_DTYPE)
@@ -190,6 +217,8 @@ class PackedLinear(nn.Module):
         elif quantization == "q4_1":
             codes, scales, low = quantize_int4(weight)
             self.codes, self.scales, self.mins = pack_q4_1(codes), scales.half(), low.half()
+            if self.tiled:
+                self.tiles = tile_q4_1(codes, self.scales, self.mins)
             grouped = codes.view(self.out_features, -1, GROUP_SIZE).float()
             weight = (grouped * self.scales.float()[..., None] + self.mins.float()[..., None]).view_as(weight)
         elif quantization == "int4":
@@ -201,8 +230,10 @@ class PackedLinear(nn.Module):
             pairs = self.scales.float().transpose(0, 1)  # [N, K/g, 2]: the rounded scales the kernel uses
             grouped = codes.view(self.out_features, -1, GROUP_SIZE).float() - 8
             weight = (grouped * pairs[..., :1] + pairs[..., 1:]).view(self.out_features, self.in_features)
-        # [N, K]: plain, or opaque when packed (``dense_weight`` reads it); a half pack holds the bias too.
-        self.weight: DenseWeight = half_pack(weight, self.bias) if self.half else prepack(weight.to(dtype))
+        # [N, K]: plain, or opaque when packed (``dense_weight`` reads it); a half pack holds the bias too. Tiled
+        # layers keep no dense copy: ``dense_weight`` rebuilds it from the codes.
+        self.weight: DenseWeight | None = (None if self.tiled else half_pack(weight, self.bias) if self.half
+                                           else prepack(weight.to(dtype)))
         self.dense_bias = None if self.half else self.bias
         # float32 rows go to torch's kernels as bf16 (tokenspool's takes either)
         self.casts = quantization in ("int8", "int4") and dtype != KERNEL_DTYPE
@@ -213,7 +244,11 @@ class PackedLinear(nn.Module):
         ``cast_back=False`` may return a kernel's bf16 result as it is, for a caller that adds it to a tensor of
         the compute dtype: type promotion then gives the same sum as the cast would, one op fewer."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.codes is None or rows.shape[0] > self.max_rows:
+        if self.tiles is not None and rows.shape[0] > self.max_rows:
+            out = torch.ops.tokenspool.q4_1_rows(rows, *self.tiles)
+            out = out if self.bias is None else out + self.bias
+        elif self.codes is None or rows.shape[0] > self.max_rows:
+            assert self.weight is not None
             out = dense_linear(rows, self.weight, self.dense_bias)
         else:
             few = rows.to(KERNEL_DTYPE) if self.casts else rows  # a no-op .to() still costs a dispatch
@@ -233,14 +268,24 @@ class PackedLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The dense weight [N, K] in the plain layout: in the compute dtype (float32 values of the float16 weight
-        when half-packed)."""
+        when half-packed; of the Q4_1 blocks when tiled)."""
+        if self.weight is None:
+            assert self.codes is not None and self.scales is not None and self.mins is not None
+            low, high = self.codes & 0x0F, self.codes >> 4  # [N, K/2]: each group's codes j and j + 16
+            groups = torch.cat([low.view(self.out_features, -1, GROUP_SIZE // 2),
+                                high.view(self.out_features, -1, GROUP_SIZE // 2)], dim=-1).float()
+            weight = groups * self.scales.float()[..., None] + self.mins.float()[..., None]
+            return weight.view(self.out_features, self.in_features)
         if isinstance(self.weight, torch.ScriptObject):
             weight: torch.Tensor = torch.ops.quantized.linear_unpack_fp16(self.weight)[0]
             return weight
         return self.weight.to_dense() if self.weight.is_mkldnn else self.weight
 
     def layout(self) -> str:
-        """How the dense weight is stored: ``"half"`` (fbgemm float16), ``"prepacked"`` (oneDNN) or ``"plain"``."""
+        """How the dense weight is stored: ``"half"`` (fbgemm float16), ``"prepacked"`` (oneDNN), ``"plain"``, or
+        ``"tiles"`` (none: the Q4_1 blocks serve every call, ``tile_q4_1``)."""
+        if self.weight is None:
+            return "tiles"
         if isinstance(self.weight, torch.ScriptObject):
             return "half"
         return "prepacked" if self.weight.is_mkldnn else "plain"
