@@ -80,13 +80,16 @@ def test_the_operator_equals_the_python_loop(tiny_model: Path, dtype: torch.dtyp
     assert got_pools.dtype == getattr(torch, expected)
 
 
-def test_steps_with_more_rows_than_the_kernels_take_keep_the_python_loop(tiny_llama: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """With one row a kernel call, the two-token steps run the Python loop (their projections are dense), the
-    lone request's steps the operator; the results are still the all-Python ones."""
-    got_logits, got_pools, served = run(tiny_llama, torch.bfloat16, "int4", 1, True, monkeypatch)
-    want_logits, want_pools, _ = run(tiny_llama, torch.bfloat16, "int4", 1, False, monkeypatch)
-    assert served == [1] * 4
+@pytest.mark.parametrize(("dtype", "quantization", "served_steps"), [
+    (torch.bfloat16, "int4", [1] * 4), (torch.float32, "q4_1", [2] * 3 + [1] * 4)])
+def test_steps_with_more_rows_than_the_kernels_take(tiny_llama: Path, dtype: torch.dtype, quantization: str,
+                                                    served_steps: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one row a kernel call, the two-token steps of dense projections (bf16 int4) run the Python loop and the
+    lone request's steps the operator; float32 q4_1 layers' tiles take any number of rows, so the operator runs
+    every decode step, its two-row ones on ``q4_1_rows``. The results are the all-Python ones either way."""
+    got_logits, got_pools, served = run(tiny_llama, dtype, quantization, 1, True, monkeypatch)
+    want_logits, want_pools, _ = run(tiny_llama, dtype, quantization, 1, False, monkeypatch)
+    assert served == served_steps
     for got, want in zip(got_logits, want_logits, strict=True):
         assert torch.equal(got, want)
     assert torch.equal(got_pools, want_pools)
