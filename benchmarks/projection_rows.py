@@ -1,7 +1,7 @@
 """Projection cost by row count: where the weight-only kernels stop beating the dense matmul on this CPU.
 
     .venv/bin/python benchmarks/projection_rows.py [--rows 1,2,4,8,12,16,32] [--threads 2] [--passes 20]
-        [--layouts bf16,bf16+int4,fp32,fp16,fp32+int4,fp32+q4_1,bf16+q4_1]
+        [--layouts bf16,bf16+int4,fp32,fp16,fp32+int4,fp32+q4_1,bf16+q4_1,fp32+tiles]
         [--avx2]
 
 A decode step calls each of SmolLM2's 30 layers' four projections (qkv 960x576, o 576x576, gate_up 3072x576,
@@ -11,7 +11,9 @@ times one such pass over 30 layers' worth of random weights per layout, the layo
 - ``bf16``: prepacked dense bf16 (oneDNN; AMX where the CPU has it); ``bf16+int4``: the int4 kernel, bf16 rows;
 - ``fp32``: dense float32; ``fp16``: float16 weights in fbgemm's layout, float32 rows (what a float32 layer keeps
   under quantisation); ``fp32+int4``: the int4 kernel fed float32 rows cast to bf16 and back;
-- ``fp32+q4_1``, ``bf16+q4_1``: tokenspool's own int4 operator (GGUF's Q4_1 blocks, ``csrc/int4_linear.cpp``).
+- ``fp32+q4_1``, ``bf16+q4_1``: tokenspool's own int4 operator (GGUF's Q4_1 blocks, ``csrc/int4_linear.cpp``);
+- ``fp32+tiles``: the same blocks in ``tile_q4_1``'s tiles, activations rounded to 8 bits (``csrc/q4_1_rows.cpp``:
+  what a float32 q4_1 layer runs past its ``max_rows``).
 The C++ operators are built (or loaded) first. ``--avx2``: an AVX2-only CPU's kernels on this one (torch's, MKL's,
 oneDNN's and the operators'; not fbgemm's: ``benchmarks/avx2.py``).
 ``config.quantized_max_rows`` holds the crossing points; each line names the CPU and its flags.
@@ -38,7 +40,8 @@ from worker.engine.decode_kernel import load_decode_kernel  # noqa: E402
 from worker.engine.linear import PackedLinear, half_packs  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2's qkv, o, gate_up, down [N, K]
-# name: (compute dtype, quantization)
+# name: (compute dtype, quantization); every layout takes its quantised kernel at every row count but
+# ``fp32+tiles``, which takes ``q4_1_rows`` at every row count (``TILES``)
 LAYOUTS = {
     "bf16": (torch.bfloat16, None),
     "bf16+int4": (torch.bfloat16, "int4"),
@@ -47,7 +50,9 @@ LAYOUTS = {
     "fp32+int4": (torch.float32, "int4"),
     "fp32+q4_1": (torch.float32, "q4_1"),
     "bf16+q4_1": (torch.bfloat16, "q4_1"),
+    "fp32+tiles": (torch.float32, "q4_1"),
 }
+TILES = "fp32+tiles"
 
 
 def load_operators(avx2: bool) -> None:
@@ -60,11 +65,11 @@ def load_operators(avx2: bool) -> None:
         raise SystemExit(f"the C++ operators could not be built: {problem}")
 
 
-def build(dtype: torch.dtype, quantization: str | None, layers: int) -> list[PackedLinear]:
-    """``layers`` layers' projections in one layout (random weights); quantised layouts take their kernel at every
-    row count."""
+def build(dtype: torch.dtype, quantization: str | None, layers: int, max_rows: int = 1 << 30) -> list[PackedLinear]:
+    """``layers`` layers' projections in one layout (random weights); quantised layouts take their kernel up to
+    ``max_rows`` rows (every row count by default)."""
     generator = torch.Generator().manual_seed(0)
-    return [PackedLinear(torch.randn(n, k, generator=generator) * 0.02, None, dtype, quantization, max_rows=1 << 30)
+    return [PackedLinear(torch.randn(n, k, generator=generator) * 0.02, None, dtype, quantization, max_rows=max_rows)
             for _ in range(layers) for n, k in SHAPES]
 
 
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_operators(args.avx2)
     names = [n for n in args.layouts.split(",") if n != "fp16" or half_packs(torch.device("cpu"))]
-    stacks = {n: build(*LAYOUTS[n], args.layers) for n in names}
+    stacks = {n: build(*LAYOUTS[n], args.layers, max_rows=0 if n == TILES else 1 << 30) for n in names}
     cpu = read_cpu_info().describe()
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {dtype: {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}

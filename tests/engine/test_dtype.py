@@ -103,8 +103,8 @@ def test_float32_plans_on_avx2_keep_int4_for_two_rows(config: EngineConfig, dtyp
 @needs_fbgemm
 @pytest.mark.parametrize(("config", "dtype", "flags", "expected"), [
     # where torch's int4 kernel is its AVX2 one, int4 runs on tokenspool's operator, float32 through 4 rows
-    (EngineConfig(quantization="auto"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 4)),
-    (EngineConfig(quantization="int4"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 4)),
+    (EngineConfig(quantization="auto"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 2)),
+    (EngineConfig(quantization="int4"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 2)),
     (EngineConfig(dtype="bfloat16", quantization="auto"), BF16, AVX2 | {"f16c"}, ComputePlan(BF16, "q4_1", True, 8)),
     # with AVX-512 torch's kernel stays; other quantisations never change
     (EngineConfig(quantization="auto"), F32, AVX512 | {"fma", "f16c"}, ComputePlan(F32, "int4", True, 16)),
@@ -178,7 +178,7 @@ def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int
     assert qkv.scales.dtype == (torch.float16 if int4 == "q4_1" else torch.bfloat16)
 
 
-F32_Q4 = ComputePlan(dtype=torch.float32, quantization="q4_1", own_decoder=True, quantized_max_rows=4)
+F32_Q4 = ComputePlan(dtype=torch.float32, quantization="q4_1", own_decoder=True, quantized_max_rows=2)
 
 
 @pytest.mark.parametrize(("config", "device", "compute", "backend", "expected"), [

@@ -53,10 +53,12 @@ AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 # only). With AVX-512 torch's kernel ran as fast at one row and 10-20% faster from 2 (against the operator's first
 # form, float32 weights widened in registers; Zen 4), so it stays there.
 OWN_INT4_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-# Beside float16 weights the operator serves up to 4 rows on AVX2 CPUs: against fbgemm's float16 matmul 10.0 / 20.8
+# Beside float16 weights the operator served up to 4 rows on AVX2 CPUs: against fbgemm's float16 matmul 10.0 / 20.8
 # ms at one row, 20.1 / 25.4 at four, 32.1 / 29.1 at six (the same run). Float32 q4_1 layers now run more rows on
-# ``q4_1_rows`` (8-bit activations, ``linear.tile_q4_1``) instead of float16 weights; the limit stayed 4.
-QUANTIZED_MAX_ROWS_HALF_Q4_1 = 4
+# ``q4_1_rows`` (8-bit activations, ``linear.tile_q4_1``) instead of float16 weights, which wins from 3 rows: a
+# step's 120 projections 5.1-5.3 / 6.7-6.9 ms at one row, 6.3-6.8 / 7.2-7.4 at two, 8.0-8.9 / 7.6-8.3 at three,
+# 11.8-13.3 / 9.4-11.1 at four (AMD EPYC Zen 3, two runs, alternating passes), so 2.
+QUANTIZED_MAX_ROWS_Q4_1 = 2
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -308,12 +310,12 @@ def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str], half: bool, qu
                        ) -> int:
     """Rows up to which weight-only kernels beat the dense ``dtype`` matmul on a CPU with ``flags``; ``half``: the
     dense weights of a float32 layer are float16 (fbgemm); ``quantization``: the layers' (``"q4_1"``: the own
-    operator)."""
+    operator, whose float32 layers run more rows on their Q4_1 tiles instead)."""
     if dtype == torch.float32:
         if not half:
             return QUANTIZED_MAX_ROWS_FLOAT32
         if quantization == "q4_1":
-            return QUANTIZED_MAX_ROWS_HALF_Q4_1
+            return QUANTIZED_MAX_ROWS_Q4_1
         return QUANTIZED_MAX_ROWS_HALF_AVX512 if flags >= AVX512_CPU_FLAGS else QUANTIZED_MAX_ROWS_HALF_AVX2
     return QUANTIZED_MAX_ROWS_BF16
 
