@@ -165,16 +165,22 @@ def test_int8_linear_rejects_what_it_cannot_read() -> None:
         op(torch.zeros(1, 64, dtype=torch.float16), codes, scales)
 
 
-def q4_1_case(seed: int, out_features: int, groups: int) -> tuple[torch.Tensor, ...]:
-    """Random Q4_1 blocks: codes [N, K] in 0..15, packed [N, K/2] uint8 (``pack_q4_1``), float16 scales and
-    minimums [N, K/32], and the weights they stand for [N, K] in float64."""
+def q4_1_blocks(seed: int, out_features: int, groups: int) -> tuple[torch.Tensor, ...]:
+    """Random Q4_1 blocks: codes [N, K] in 0..15, float16 scales and minimums [N, K/32], and the weights they stand
+    for [N, K] in float64."""
     generator = torch.Generator().manual_seed(seed)
-    cols = 32 * groups
-    codes = torch.randint(0, 16, (out_features, cols), dtype=torch.int32, generator=generator)
+    codes = torch.randint(0, 16, (out_features, 32 * groups), dtype=torch.int32, generator=generator)
     scales = (torch.rand(out_features, groups, generator=generator) * 0.01).half()
     mins = (-torch.rand(out_features, groups, generator=generator) * 0.08).half()
     weight = codes.view(out_features, groups, 32).double() * scales.double()[..., None] + mins.double()[..., None]
-    return pack_q4_1(codes), scales, mins, weight.view(out_features, cols)
+    return codes, scales, mins, weight.view(out_features, -1)
+
+
+def q4_1_case(seed: int, out_features: int, groups: int) -> tuple[torch.Tensor, ...]:
+    """``q4_1_blocks`` for ``int4_linear``: the codes packed [N, K/2] uint8 (``pack_q4_1``), scales, minimums,
+    weights."""
+    codes, scales, mins, weight = q4_1_blocks(seed, out_features, groups)
+    return pack_q4_1(codes), scales, mins, weight
 
 
 def int4_error_bound(x: torch.Tensor, weight: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -255,13 +261,9 @@ def test_int4_linear_rejects_what_it_cannot_read() -> None:
 
 
 def q4_1_tiles_case(seed: int, out_features: int, groups: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """``q4_1_case``'s random blocks in ``q4_1_rows``'s tiles (``tile_q4_1``), and the weights [N, K] in float64."""
-    generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (out_features, 32 * groups), dtype=torch.int32, generator=generator)
-    scales = (torch.rand(out_features, groups, generator=generator) * 0.01).half()
-    mins = (-torch.rand(out_features, groups, generator=generator) * 0.08).half()
-    weight = codes.view(out_features, groups, 32).double() * scales.double()[..., None] + mins.double()[..., None]
-    return tile_q4_1(codes, scales, mins), weight.view(out_features, -1)
+    """``q4_1_blocks`` in ``q4_1_rows``'s tiles (``tile_q4_1``), and the weights [N, K] in float64."""
+    codes, scales, mins, weight = q4_1_blocks(seed, out_features, groups)
+    return tile_q4_1(codes, scales, mins), weight
 
 
 # (rows, blocks of 8 columns, groups): tiles of 2 rows x 2 blocks and their tails (an odd row, an odd block), one

@@ -63,8 +63,8 @@ def run_stack(stack: LayerStack, hidden: torch.Tensor, cos: torch.Tensor, sin: t
     """The layers' output ``[T, hidden]`` for this step (its K/V written), or None when the operator does not serve
     it (the caller runs the Python loop). ``cos``/``sin``: ``Decoder.rope_tables``."""
     num_tokens = hidden.shape[0]
-    few = num_tokens <= stack.max_rows or stack.many_rows
-    group = whole_step_group(ctx.metadata, num_tokens) if few else None
+    rows_served = num_tokens <= stack.max_rows or stack.many_rows
+    group = whole_step_group(ctx.metadata, num_tokens) if rows_served else None
     if group is None or group.context_lens is None:
         return None
     kv_cache = ctx.kv_cache

@@ -139,6 +139,15 @@ def quantize_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[t
     return codes.view(rows, cols), scales
 
 
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, low: torch.Tensor, group_size: int = GROUP_SIZE
+                    ) -> torch.Tensor:
+    """``quantize_int4``'s codes [N, K] with scales and minimums [N, K/g] (any float dtype) -> ``d * q + m`` [N, K],
+    float32."""
+    rows, cols = codes.shape
+    grouped = codes.view(rows, cols // group_size, group_size).float()
+    return (grouped * scales.float()[..., None] + low.float()[..., None]).view(rows, cols)
+
+
 def pack_q4_1(codes: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
     """``quantize_int4``'s codes [N, K] in Q4_1's byte order -> [N, K/2] uint8: in each group of 32, byte ``j``
     holds code ``j`` in its low and code ``j + 16`` in its high nibble."""
@@ -146,6 +155,13 @@ def pack_q4_1(codes: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor
     groups = codes.view(rows, cols // group_size, group_size).to(torch.uint8)
     half = group_size // 2
     return (groups[..., :half] | (groups[..., half:] << 4)).reshape(rows, cols // 2).contiguous()
+
+
+def unpack_q4_1(packed: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """``pack_q4_1``'s bytes [N, K/2] -> the codes [N, K] (uint8)."""
+    rows, half_cols = packed.shape
+    groups = packed.view(rows, -1, group_size // 2)
+    return torch.cat([groups & 0x0F, groups >> 4], dim=-1).reshape(rows, 2 * half_cols)
 
 
 TILE_COLUMNS = 8  # output columns a ``tile_q4_1`` tile holds (``csrc/q4_1_rows.cpp``)
@@ -175,8 +191,7 @@ def lies_on_int4_grid(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> boo
     if weight.shape[-1] % group_size:
         return False
     codes, scales, low = quantize_int4(weight, group_size)
-    grouped = codes.view(weight.shape[0], -1, group_size).float() * scales[..., None] + low[..., None]
-    error = (grouped.view_as(weight) - weight.float()).abs().max()
+    error = (dequantize_int4(codes, scales, low, group_size) - weight.float()).abs().max()
     return bool(error <= 1e-5 * weight.abs().max())
 
 
@@ -193,8 +208,8 @@ class PackedLinear(nn.Module):
         if quantization is not None and dtype not in QUANTIZED_COMPUTE_DTYPES:
             raise ValueError(f"quantized layers compute in one of {QUANTIZED_COMPUTE_DTYPES}, got {dtype}")
         self.out_features, self.in_features = weight.shape
-        self.tiled = tiles_q4_1(quantization, dtype, self.out_features)
-        self.half = keeps_half(quantization, dtype, weight.device) and not self.tiled
+        tiled = tiles_q4_1(quantization, dtype, self.out_features)
+        self.half = keeps_half(quantization, dtype, weight.device) and not tiled
         if quantization == "fp16" and not self.half:
             raise ValueError(f"quantization 'fp16' needs dtype float32 on a CPU with fbgemm, got {dtype} on "
                              f"{weight.device.type}")
@@ -217,10 +232,9 @@ class PackedLinear(nn.Module):
         elif quantization == "q4_1":
             codes, scales, low = quantize_int4(weight)
             self.codes, self.scales, self.mins = pack_q4_1(codes), scales.half(), low.half()
-            if self.tiled:
+            if tiled:
                 self.tiles = tile_q4_1(codes, self.scales, self.mins)
-            grouped = codes.view(self.out_features, -1, GROUP_SIZE).float()
-            weight = (grouped * self.scales.float()[..., None] + self.mins.float()[..., None]).view_as(weight)
+            weight = dequantize_int4(codes, self.scales, self.mins)
         elif quantization == "int4":
             codes, scales, low = quantize_int4(weight)
             # The kernel's convention: w = (q - 8) * scale + zero, scales_and_zeros [K/g, N, 2].
@@ -232,7 +246,7 @@ class PackedLinear(nn.Module):
             weight = (grouped * pairs[..., :1] + pairs[..., 1:]).view(self.out_features, self.in_features)
         # [N, K]: plain, or opaque when packed (``dense_weight`` reads it); a half pack holds the bias too. Tiled
         # layers keep no dense copy: ``dense_weight`` rebuilds it from the codes.
-        self.weight: DenseWeight | None = (None if self.tiled else half_pack(weight, self.bias) if self.half
+        self.weight: DenseWeight | None = (None if tiled else half_pack(weight, self.bias) if self.half
                                            else prepack(weight.to(dtype)))
         self.dense_bias = None if self.half else self.bias
         # float32 rows go to torch's kernels as bf16 (tokenspool's takes either)
@@ -271,11 +285,7 @@ class PackedLinear(nn.Module):
         when half-packed; of the Q4_1 blocks when tiled)."""
         if self.weight is None:
             assert self.codes is not None and self.scales is not None and self.mins is not None
-            low, high = self.codes & 0x0F, self.codes >> 4  # [N, K/2]: each group's codes j and j + 16
-            groups = torch.cat([low.view(self.out_features, -1, GROUP_SIZE // 2),
-                                high.view(self.out_features, -1, GROUP_SIZE // 2)], dim=-1).float()
-            weight = groups * self.scales.float()[..., None] + self.mins.float()[..., None]
-            return weight.view(self.out_features, self.in_features)
+            return dequantize_int4(unpack_q4_1(self.codes), self.scales, self.mins)
         if isinstance(self.weight, torch.ScriptObject):
             weight: torch.Tensor = torch.ops.quantized.linear_unpack_fp16(self.weight)[0]
             return weight

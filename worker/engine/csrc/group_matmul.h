@@ -22,6 +22,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -197,6 +198,32 @@ template <typename Format, typename Out>
 void group_matmul(const float* x, int64_t M, const Weights& w, int64_t N, Out* out) {
   const int64_t K = w.groups * kGroup;
   in_passes(M, [&](auto rows, int64_t r0) { pass<Format, decltype(rows)::value>(w, x + r0 * K, N, out + r0 * N); });
+}
+
+// A group of 32 activations rounded to integer codes for an integer dot product (int4_linear.cpp: 16 bits,
+// q4_1_rows.cpp: 8): v[j] ~ step * codes[j], step = max |v| / levels, so each value moves by at most half a step.
+// A NaN or infinity is coded 0 and left in `total` (the group's float32 sum), through which it reaches the result.
+struct RoundedGroup {
+  float step;        // max |v| / levels
+  float total;       // sum of v
+  int32_t code_sum;  // sum of codes: step * code_sum is the rounded values' sum
+};
+
+template <typename Code>
+RoundedGroup round_group(const float* v, float levels, Code* codes) {
+  float largest = 0.f, total = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    largest = std::max(largest, std::abs(v[j]));
+    total += v[j];
+  }
+  const float inverse = largest > 0.f && std::isfinite(largest) ? levels / largest : 0.f;
+  int32_t code_sum = 0;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    const float scaled = v[j] * inverse;
+    codes[j] = static_cast<Code>(std::isfinite(scaled) ? std::nearbyint(scaled) : 0.f);
+    code_sum += codes[j];
+  }
+  return {largest / levels, total, code_sum};
 }
 
 // x [M, K]: float32 or bfloat16 (unit last stride) on the CPU, K a multiple of 32 (the operators' common checks).

@@ -47,17 +47,10 @@ Rows16 round_rows(const float* x, int64_t M, int64_t G) {
   Rows16 rows{std::vector<int16_t>(M * G * kGroup), std::vector<float>(M * Gp), std::vector<float>(M * Gp)};
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* v = x + (r * G + g) * kGroup;
-      float largest = 0.f, sum = 0.f;
-      for (int64_t j = 0; j < kGroup; ++j) {
-        largest = std::max(largest, std::abs(v[j]));
-        sum += v[j];
-      }
-      const float inverse = largest > 0.f ? kLevels / largest : 0.f;
-      int16_t* codes = rows.codes.data() + (r * G + g) * kGroup;
-      for (int64_t j = 0; j < kGroup; ++j) codes[j] = static_cast<int16_t>(std::nearbyint(v[j] * inverse));
-      rows.step[r * Gp + g] = largest / kLevels;
-      rows.sums[r * Gp + g] = sum;
+      const int64_t at = (r * G + g) * kGroup;
+      const RoundedGroup group = round_group(x + at, kLevels, rows.codes.data() + at);
+      rows.step[r * Gp + g] = group.step;
+      rows.sums[r * Gp + g] = group.total;
     }
   }
   return rows;

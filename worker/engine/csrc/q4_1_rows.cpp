@@ -17,24 +17,17 @@
 // 16-bit activations of int4_linear.cpp, which reads half the bytes and loses nothing measurable; this operator is
 // the matmul the rest of a float32 step's int4 layers run instead of float16 weights (fbgemm's float32 FMAs).
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <cstring>
-#include <vector>
+
+#include "group_matmul.h"
+#include "operators.h"
 
 namespace {
 
-constexpr int64_t kGroup = 32;   // inputs a scale covers (GGUF's blocks)
+using namespace group_matmul;
+
 constexpr int64_t kColumns = 8;  // output columns a tile holds: an AVX2 vector's int32 lanes
 constexpr int64_t kSteps = 8;    // vectors of 4 inputs a group
 constexpr int kTileRows = 2, kTileBlocks = 2;  // rows x blocks of 8 columns a register tile (measured best of
@@ -45,35 +38,19 @@ constexpr float kLevels = 127.f;
 struct Rows8 {
   std::vector<int8_t> codes;  // [M, K]
   std::vector<float> step;    // [M, G]
-  std::vector<float> sums;    // [M, G]: step * sum(codes) (`round_group`)
+  std::vector<float> sums;    // [M, G]: step * sum(codes)
 };
-
-// A group's codes, step and sum: the sum of the rounded values (step * sum(a)), not of x's, so that the group's
-// share is exactly w . (step a): Q4_1's weights are d (q - 7.5) about their middle, and with x's own sum the rounding
-// error met d q instead, twice the error (SmolLM2: 93% of greedy choices kept, against 99%). A non-finite x
-// leaves its sum non-finite, which reaches the result.
-void round_group(const float* v, int8_t* codes, float& step, float& sum) {
-  float largest = 0.f, total = 0.f;
-  for (int64_t j = 0; j < kGroup; ++j) {
-    largest = std::max(largest, std::abs(v[j]));
-    total += v[j];
-  }
-  const float inverse = largest > 0.f && std::isfinite(largest) ? kLevels / largest : 0.f;
-  int32_t rounded = 0;
-  for (int64_t j = 0; j < kGroup; ++j) {
-    const float scaled = v[j] * inverse;  // NaN where v[j] is: coded 0, the sum carries it
-    codes[j] = static_cast<int8_t>(std::isfinite(scaled) ? std::nearbyint(scaled) : 0.f);
-    rounded += codes[j];
-  }
-  step = largest / kLevels;
-  sum = std::isfinite(total) ? step * static_cast<float>(rounded) : total;
-}
 
 Rows8 round_rows(const float* x, int64_t M, int64_t G) {
   Rows8 rows{std::vector<int8_t>(M * G * kGroup), std::vector<float>(M * G), std::vector<float>(M * G)};
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      round_group(x + i * kGroup, rows.codes.data() + i * kGroup, rows.step[i], rows.sums[i]);
+      // The rounded values' sum, not x's: Q4_1's weights are d (q - 7.5) about their middle, so the group's share
+      // is exactly w . (step a) only with step sum(a); with x's own sum the rounding error met d q instead, twice
+      // the error (SmolLM2: 93% of greedy choices kept, against 99%). A non-finite sum stays x's.
+      const RoundedGroup group = round_group(x + i * kGroup, kLevels, rows.codes.data() + i * kGroup);
+      rows.step[i] = group.step;
+      rows.sums[i] = std::isfinite(group.total) ? group.step * static_cast<float>(group.code_sum) : group.total;
     }
   });
   return rows;
@@ -85,8 +62,6 @@ struct Tiles {
   const float* mins;     // [NB, G, 8]
   int64_t groups;
 };
-
-#define UNROLLED _Pragma("GCC unroll 16")
 
 // Rows r0 .. r0 + kRows against column blocks b0 .. b0 + kBlocks into out (row stride N).
 template <int kRows, int kBlocks>
@@ -170,8 +145,8 @@ void blocks(const Tiles& w, const Rows8& x, int64_t M, int64_t b0, int64_t N, fl
 namespace tokenspool {
 
 at::Tensor q4_1_rows(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat, "x: float32 [M, K] on the CPU");
-  TORCH_CHECK(x.size(1) % kGroup == 0, "x: [M, K], K a multiple of ", kGroup);
+  check_rows(x);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x: float32 (a float32 layer's rows)");
   const int64_t M = x.size(0), G = x.size(1) / kGroup;
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 5 &&
                   tiles.size(1) == G && tiles.size(2) == kSteps && tiles.size(3) == kColumns && tiles.size(4) == 4,
