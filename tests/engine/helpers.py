@@ -34,10 +34,10 @@ def torch_threads(count: int) -> Iterator[None]:
 needs_fbgemm = pytest.mark.skipif(not half_packs(torch.device("cpu")), reason="no fbgemm (x86 builds of torch)")
 
 
-def this_cpus_int4() -> str:
-    """What int4 layers run as here with the C++ operators built (loading them): ``"q4_1"`` (tokenspool's operator)
-    where torch's int4 kernel is its AVX2 one, else ``"int4"``."""
-    return "q4_1" if own_int4_kernel(cpu_flags(), load_decode_kernel() is None) else "int4"
+def this_cpus_int4(dtype: torch.dtype) -> str:
+    """What int4 layers computing in ``dtype`` run as here with the C++ operators built (loading them): ``"q4_1"``
+    (tokenspool's operators) or ``"int4"`` (torch's kernel), by ``config.own_int4_kernel``."""
+    return "q4_1" if own_int4_kernel(cpu_flags(), load_decode_kernel() is None, dtype) else "int4"
 
 
 @dataclass

@@ -21,7 +21,7 @@ from tests.engine.helpers import mixed_workload, torch_threads
 from tests.engine.test_engine_parity import check_parity
 from worker.engine import Engine, EngineConfig, decode_kernel
 from worker.engine.decode_kernel import cpu_description, kernel_name, load_decode_kernel
-from worker.engine.linear import pack_q4_1, tile_q4_1
+from worker.engine.linear import pack_q4_1, tile_q4_1, tile_q8_0
 from worker.engine.pointwise import rms_norm, rope, silu_and_mul
 
 BLOCK = 16
@@ -132,18 +132,26 @@ def test_operator_rejects_what_it_cannot_read() -> None:
             op(query, keys, values, bad, context, 1.0)
 
 
+def q8_0_blocks(seed: int, out_features: int, groups: int) -> tuple[torch.Tensor, ...]:
+    """Random Q8_0 blocks: codes [N, K] in -127..127, float16 scales [N, K/32], and the weights they stand for
+    [N, K] in float64."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out_features, 32 * groups), dtype=torch.int8, generator=generator)
+    scales = (torch.rand(out_features, groups, generator=generator) * 0.01).half()
+    weight = codes.view(out_features, groups, 32).double() * scales.double()[..., None]
+    return codes, scales, weight.view(out_features, -1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "groups"), [(1, 1), (1, 18), (2, 3), (4, 48), (8, 5), (11, 2)])
 def test_int8_linear_matches_float64(dtype: torch.dtype, rows: int, groups: int) -> None:
     """x @ (scales * codes).T for every pass size (1-8 rows, and 11: two passes), odd and even group counts, a
     strided x; float32 accumulation, returned in x's dtype (float32: to float32 rounding)."""
-    generator = torch.Generator().manual_seed(rows * 100 + groups)
     out_features, cols = 37, 32 * groups  # an output count that no work split divides
-    codes = torch.randint(-127, 128, (out_features, cols), dtype=torch.int8, generator=generator)
-    scales = (torch.rand(out_features, groups, generator=generator) * 0.01).half()
+    codes, scales, weight = q8_0_blocks(rows * 100 + groups, out_features, groups)
+    generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 2 * cols, generator=generator).to(dtype)[:, ::2]  # strided, as a slice would be
-    weight = codes.view(out_features, groups, 32).double() * scales.double()[..., None]
-    expected = x.double() @ weight.view(out_features, cols).T
+    expected = x.double() @ weight.T
     out = torch.ops.tokenspool.int8_linear(x, codes, scales)
     assert out.dtype == dtype and out.shape == (rows, out_features)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -260,10 +268,17 @@ def test_int4_linear_rejects_what_it_cannot_read() -> None:
         op(torch.zeros(1, 64, dtype=torch.float16), codes, scales, scales)
 
 
-def q4_1_tiles_case(seed: int, out_features: int, groups: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """``q4_1_blocks`` in ``q4_1_rows``'s tiles (``tile_q4_1``), and the weights [N, K] in float64."""
-    codes, scales, mins, weight = q4_1_blocks(seed, out_features, groups)
-    return tile_q4_1(codes, scales, mins), weight
+# The operators over tiles (csrc/integer_rows.cpp), each with the levels its activations are rounded to per group.
+ROWS_LEVELS = {"q4_1_rows": 127, "q8_0_rows": 32767}
+
+
+def tiles_case(op: str, seed: int, out_features: int, groups: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Random blocks in the tiles of ``op`` (``tile_q4_1``, ``tile_q8_0``), and the weights [N, K] in float64."""
+    if op == "q4_1_rows":
+        codes, scales, mins, weight = q4_1_blocks(seed, out_features, groups)
+        return tile_q4_1(codes, scales, mins), weight
+    codes, scales, weight = q8_0_blocks(seed, out_features, groups)
+    return tile_q8_0(codes, scales), weight
 
 
 # (rows, blocks of 8 columns, groups): tiles of 2 rows x 2 blocks and their tails (an odd row, an odd block), one
@@ -272,43 +287,48 @@ TILE_SHAPES = [(1, 1, 1), (2, 2, 1), (3, 3, 2), (5, 4, 18), (32, 12, 18), (7, 9,
 
 
 @pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("op", ROWS_LEVELS)
 @pytest.mark.parametrize(("rows", "blocks", "groups"), TILE_SHAPES)
-def test_q4_1_rows_is_exact_on_activations_8_bits_hold(rows: int, blocks: int, groups: int) -> None:
-    """Activations that 8-bit integers per group of 32 hold exactly (integers, each group's largest +-127) make
-    the integer dot products the whole computation: the result is x @ (scales * codes + mins).T to float32
-    rounding, for every tile and tail, from a strided x."""
-    tiles, weight = q4_1_tiles_case(rows * 1000 + blocks * 10 + groups, 8 * blocks, groups)
+def test_rows_operators_are_exact_where_their_integers_hold_the_activations(op: str, rows: int, blocks: int,
+                                                                           groups: int) -> None:
+    """Activations that the operator's integers per group of 32 hold exactly (integers, each group's largest +-levels)
+    make the integer dot products the whole computation: the result is x @ w.T to float32 rounding, for every tile
+    and tail, from a strided x."""
+    tiles, weight = tiles_case(op, rows * 1000 + blocks * 10 + groups, 8 * blocks, groups)
+    levels = ROWS_LEVELS[op]
     generator = torch.Generator().manual_seed(groups)
-    x = torch.randint(-127, 128, (rows, 2 * 32 * groups), generator=generator).float()[:, ::2]
-    x[:, ::32] = 127.0 * torch.where(torch.arange(rows)[:, None] % 2 == 0, 1.0, -1.0)
+    x = torch.randint(-levels, levels + 1, (rows, 2 * 32 * groups), generator=generator).float()[:, ::2]
+    x[:, ::32] = levels * torch.where(torch.arange(rows)[:, None] % 2 == 0, 1.0, -1.0)
     expected = x.double() @ weight.T
-    out = torch.ops.tokenspool.q4_1_rows(x, *tiles)
+    out = getattr(torch.ops.tokenspool, op)(x, *tiles)
     assert out.dtype == torch.float32 and out.shape == (rows, 8 * blocks)
     torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
 
 
-def test_q4_1_rows_errs_by_the_8_bit_rounding_of_the_activations() -> None:
-    """On real-valued rows the result is w . x' for x' rounded to 8 bits per group of 32 (each value moves by at
-    most half a step, step = max |x| / 127), so it is off x @ w.T by at most sum_g half_step * sum |w| of the group,
-    and the rounding meets the weights about their middle: ~0.5% of the result's norm on SmolLM2-sized rows, not
-    the ~1.3% of rounding against the codes alone."""
-    tiles, weight = q4_1_tiles_case(11, 64, 18)
+@pytest.mark.parametrize(("op", "relative_error"), [("q4_1_rows", 0.008), ("q8_0_rows", 1e-4)])
+def test_rows_operators_err_by_the_rounding_of_the_activations(op: str, relative_error: float) -> None:
+    """On real-valued rows the result is w . x' for x' rounded per group of 32 (each value moves by at most half a
+    step, step = max |x| / levels), so it is off x @ w.T by at most sum_g half_step * sum |w| of the group. Q4_1's
+    8 bits: the rounding meets the weights about their middle, ~0.5% of the result's norm on SmolLM2-sized rows,
+    not the ~1.3% of rounding against the codes alone; Q8_0's 16 bits: float32's own error, nearly."""
+    tiles, weight = tiles_case(op, 11, 64, 18)
     x = torch.randn(32, weight.shape[1], generator=torch.Generator().manual_seed(11))
     expected = x.double() @ weight.T
-    out = torch.ops.tokenspool.q4_1_rows(x, *tiles).double()
-    half_step = x.double().view(32, 18, 32).abs().amax(-1) / 127 / 2  # [M, G]
+    out = getattr(torch.ops.tokenspool, op)(x, *tiles).double()
+    half_step = x.double().view(32, 18, 32).abs().amax(-1) / ROWS_LEVELS[op] / 2  # [M, G]
     bound = half_step @ weight.abs().view(64, 18, 32).sum(-1).T + 1e-6 * (x.double().abs() @ weight.abs().T)
     assert bool(((out - expected).abs() <= bound).all())
-    assert float((out - expected).norm() / expected.norm()) < 0.008
+    assert float((out - expected).norm() / expected.norm()) < relative_error
 
 
-def test_q4_1_rows_carries_non_finite_activations() -> None:
+@pytest.mark.parametrize("op", ROWS_LEVELS)
+def test_rows_operators_carry_non_finite_activations(op: str) -> None:
     """A NaN or an infinity among a row's activations makes that row's result non-finite, the others finite."""
-    tiles, _ = q4_1_tiles_case(5, 16, 2)
+    tiles, _ = tiles_case(op, 5, 16, 2)
     for bad in (float("nan"), float("inf"), float("-inf")):
         x = torch.randn(5, 64)
         x[3, 40] = bad
-        out = torch.ops.tokenspool.q4_1_rows(x, *tiles)
+        out = getattr(torch.ops.tokenspool, op)(x, *tiles)
         finite = torch.isfinite(out).all(dim=1)
         assert finite.tolist() == [True, True, True, False, True]
         assert not bool(torch.isfinite(out[3]).any())
@@ -316,7 +336,7 @@ def test_q4_1_rows_carries_non_finite_activations() -> None:
 
 def test_q4_1_rows_rejects_what_it_cannot_read() -> None:
     op = torch.ops.tokenspool.q4_1_rows
-    (tiles, scales, mins), _ = q4_1_tiles_case(1, 16, 2)
+    (tiles, scales, mins), _ = tiles_case("q4_1_rows", 1, 16, 2)
     with pytest.raises(RuntimeError, match="float32"):
         op(torch.zeros(1, 64, dtype=torch.bfloat16), tiles, scales, mins)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -325,10 +345,27 @@ def test_q4_1_rows_rejects_what_it_cannot_read() -> None:
         op(torch.zeros(1, 96), tiles, scales, mins)
     with pytest.raises(RuntimeError, match="tiles"):
         op(torch.zeros(1, 64), tiles.to(torch.int8), scales, mins)
-    with pytest.raises(RuntimeError, match="scales, mins"):
+    with pytest.raises(RuntimeError, match="scales"):
         op(torch.zeros(1, 64), tiles, scales.half(), mins)
-    with pytest.raises(RuntimeError, match="scales, mins"):
+    with pytest.raises(RuntimeError, match="scales"):
         op(torch.zeros(1, 64), tiles, scales, mins[:1])
+
+
+def test_q8_0_rows_rejects_what_it_cannot_read() -> None:
+    op = torch.ops.tokenspool.q8_0_rows
+    (tiles, scales), _ = tiles_case("q8_0_rows", 1, 16, 2)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.zeros(1, 64, dtype=torch.bfloat16), tiles, scales)
+    with pytest.raises(RuntimeError, match="tiles"):
+        op(torch.zeros(1, 96), tiles, scales)
+    with pytest.raises(RuntimeError, match="tiles"):
+        op(torch.zeros(1, 64), tiles.to(torch.int8), scales)  # Q8_0's codes are tiled as int16
+    with pytest.raises(RuntimeError, match="tiles"):
+        op(torch.zeros(1, 64), tile_q4_1(*q4_1_blocks(1, 16, 2)[:3])[0].to(torch.int16), scales)  # Q4_1's shape
+    with pytest.raises(RuntimeError, match="scales"):
+        op(torch.zeros(1, 64), tiles, scales.half())
+    with pytest.raises(RuntimeError, match="scales"):
+        op(torch.zeros(1, 64), tiles, scales[:1])
 
 
 # One rounding to the compute dtype against the torch forms' two or three: a bf16/float16 ulp apart at most,

@@ -102,20 +102,20 @@ def test_float32_plans_on_avx2_keep_int4_for_two_rows(config: EngineConfig, dtyp
 
 @needs_fbgemm
 @pytest.mark.parametrize(("config", "dtype", "flags", "expected"), [
-    # where torch's int4 kernel is its AVX2 one, int4 runs on tokenspool's operator, float32 through 4 rows
+    # where torch's int4 kernel is its AVX2 one, int4 runs on tokenspool's operators
     (EngineConfig(quantization="auto"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 2)),
     (EngineConfig(quantization="int4"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 2)),
     (EngineConfig(dtype="bfloat16", quantization="auto"), BF16, AVX2 | {"f16c"}, ComputePlan(BF16, "q4_1", True, 8)),
-    # with AVX-512 torch's kernel stays; other quantisations never change
-    (EngineConfig(quantization="auto"), F32, AVX512 | {"fma", "f16c"}, ComputePlan(F32, "int4", True, 16)),
+    # with AVX-512 torch's kernel stays under bf16, float32 takes the operators; other quantisations never change
+    (EngineConfig(quantization="auto"), F32, AVX512 | {"fma", "f16c"}, ComputePlan(F32, "q4_1", True, 2)),
     (EngineConfig(quantization="auto"), BF16, AVX512 | {"fma", "f16c"}, ComputePlan(BF16, "int4", True, 8)),
     (EngineConfig(quantization="int8"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "int8", True, 2)),
     (EngineConfig(quantization="fp16"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "fp16", True, 2)),
     # no F16C (the operator widens float16 scales with it): torch's kernel
     (EngineConfig(quantization="auto"), F32, AVX2, ComputePlan(F32, "int4", True, 2)),
 ])
-def test_int4_takes_the_own_operator_where_torchs_kernel_is_avx2(config: EngineConfig, dtype: torch.dtype,
-                                                                 flags: frozenset[str], expected: ComputePlan) -> None:
+def test_int4_takes_the_own_operators_under_float32_or_where_torchs_kernel_is_avx2(
+        config: EngineConfig, dtype: torch.dtype, flags: frozenset[str], expected: ComputePlan) -> None:
     assert plan_compute(config, CPU, dtype, None, True, flags=flags, kernels=lambda: True) == expected
     if expected.quantization == "q4_1":  # without the operators: torch's kernel and its limits
         assert plan_compute(config, CPU, dtype, None, True, flags=flags).quantization == "int4"
@@ -168,7 +168,7 @@ def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int
     dtype = pick_dtype(config, CPU, frozenset({"avx2", "fma"}))
     model, decoder, compute = load_model(config, snapped_llama, CPU, dtype)
     half = half_packs(CPU)
-    int4 = this_cpus_int4()
+    int4 = this_cpus_int4(torch.float32)
     assert compute.dtype == torch.float32 and compute.quantization == int4 and compute.own_decoder
     assert isinstance(decoder, Decoder) and decoder is model and decoder.embed.dtype == torch.float32
     qkv = decoder.layers[0].qkv

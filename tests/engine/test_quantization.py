@@ -20,6 +20,7 @@ from worker.engine.linear import (
     QUANTIZED_MAX_ROWS,
     PackedLinear,
     dense_linear,
+    dequantize_q8_0,
     lies_on_int4_grid,
     pack_q4_1,
     prepack,
@@ -27,6 +28,7 @@ from worker.engine.linear import (
     quantize_int4,
     quantize_q8_0,
     tile_q4_1,
+    tile_q8_0,
 )
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledChunk
@@ -216,6 +218,30 @@ def test_a_float32_q4_1_layer_keeps_tiles_for_many_rows_and_no_dense_copy(operat
     assert PackedLinear(weight, bias, torch.bfloat16, "q4_1").layout() != "tiles"
 
 
+def test_a_float32_q8_0_layer_keeps_int16_tiles_for_many_rows_and_no_dense_copy(operators: None) -> None:
+    """Under float32 a q8_0 layer (the LM head) runs few rows on ``int8_linear`` (float32 activations) and more on
+    ``q8_0_rows`` (16-bit activations, the tiles of ``tile_q8_0``), with no dense copy: ``dense_weight`` rebuilds
+    the Q8_0 weights exactly, and both paths agree with them to 1e-4 (the 16-bit rounding moves a value by at most
+    2^-16 of its group's largest)."""
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.05
+    linear = PackedLinear(weight, None, torch.float32, "q8_0")
+    codes, scales = quantize_q8_0(weight)
+    assert linear.layout() == "tiles" and linear.weight is None and linear.tiles is not None
+    for got, expected in zip(linear.tiles, tile_q8_0(codes, scales), strict=True):
+        assert torch.equal(got, expected)
+    grid = dequantize_q8_0(codes, scales)
+    assert torch.equal(linear.dense_weight(), grid)
+    x = torch.randn(QUANTIZED_MAX_ROWS + 9, 128)
+    with torch.inference_mode():
+        many = linear(x)
+        one_by_one = torch.cat([linear(row[None]) for row in x])
+    exact = x.double() @ grid.double().T
+    for got in (many, one_by_one):
+        assert float((got.double() - exact).norm() / exact.norm()) < 1e-4
+    assert PackedLinear(weight, None, torch.bfloat16, "q8_0").layout() != "tiles"
+
+
 @needs_fbgemm
 def test_a_float32_decoder_keeps_float16_weights_and_head(tiny_llama: Path) -> None:
     """float32 under int4: int4 codes plus a float16 dense copy; the LM head float16 alone (faster than the int8
@@ -324,7 +350,7 @@ def test_engine_serves_quantized_weights(tiny_llama: Path, quantization: str, dt
     assert engine.runner.plan.dtype == engine.runner.compute.dtype == getattr(torch, dtype)
     assert engine.runner.compute.own_decoder and engine.runner.decoder is engine.runner.model
     assert engine.runner.decoder.lm_head.quantization == "q8_0"
-    served = this_cpus_int4() if quantization == "int4" else quantization
+    served = this_cpus_int4(getattr(torch, dtype)) if quantization == "int4" else quantization
     assert engine.runner.compute.quantization == served
     assert any(isinstance(m, PackedLinear) and m.quantization == served for m in engine.runner.model.modules())
     outs = engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -344,13 +370,13 @@ def test_auto_quantization_takes_int4_only_for_weights_on_the_q4_1_grid(tiny_lla
     """Whatever dtype this CPU picks when none is set (float32 or bfloat16), ``auto`` serves on-grid weights as
     int4 on the own decoder; only an explicit float32 keeps transformers' reference forward."""
     snapped = snapped_llama
-    int4 = this_cpus_int4()
-    cases = [(tiny_llama, "bfloat16", None), (snapped, "bfloat16", int4), (snapped, "float32", "reference"),
-             (snapped, None, int4), (tiny_llama, None, None)]
+    cases = [(tiny_llama, "bfloat16", None), (snapped, "bfloat16", "int4"), (snapped, "float32", "reference"),
+             (snapped, None, "int4"), (tiny_llama, None, None)]
     for folder, dtype, expected in cases:
         engine = Engine(EngineConfig(model=str(folder), dtype=dtype, quantization="auto", num_kv_blocks=32))
         decoder = engine.runner.decoder
         got = "reference" if decoder is None else decoder.layers[0].qkv.quantization
-        assert got == expected, (folder, dtype)
+        served = this_cpus_int4(engine.runner.plan.dtype) if expected == "int4" else expected  # the picked dtype's
+        assert got == served, (folder, dtype)
     plain = Engine(EngineConfig(model=str(snapped), dtype="bfloat16", quantization="none", num_kv_blocks=32))
     assert plain.runner.decoder is not None and plain.runner.decoder.layers[0].qkv.quantization is None

@@ -51,7 +51,11 @@ AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 # activations rounded to 16-bit integers per group of 32 for an integer dot product): a step's 120 projections 10.0
 # against torch's 17.2 ms at one row, 12.1 against 19.4 at two, 20.1 against 29.7 at four (AMD EPYC Zen 3, AVX2
 # only). With AVX-512 torch's kernel ran as fast at one row and 10-20% faster from 2 (against the operator's first
-# form, float32 weights widened in registers; Zen 4), so it stays there.
+# form, float32 weights widened in registers; Zen 4), so it stays there under bf16 (a step at 1 / 4 / 8 / 32 rows:
+# 9.8 / 13.9 / 22.6 / 41.5 ms against the operators' 9.1 / 16.4 / 25.6 / 41.4, Xeon model 167, AMX). Under float32
+# (AVX-512 CPUs without fast bf16) the operators and their tiles win at every batch: 9.2 / 11.1 / 15.1 / 22.8 /
+# 33.7 / 55.5 ms against torch's kernel beside float16 weights 10.3 / 11.7 / 14.9 / 25.8 / 43.0 / 80.5 at 1 / 2 /
+# 4 / 8 / 16 / 32 rows (the same Xeon without its bf16 flags, alternating steps).
 OWN_INT4_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # Beside float16 weights the operator served up to 4 rows on AVX2 CPUs: against fbgemm's float16 matmul 10.0 / 20.8
 # ms at one row, 20.1 / 25.4 at four, 32.1 / 29.1 at six (the same run). Float32 q4_1 layers now run more rows on
@@ -300,10 +304,11 @@ def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str]
     return torch.bfloat16 if fast_bf16_cpu(cpu_flags() if flags is None else flags, measure) else torch.float32
 
 
-def own_int4_kernel(flags: frozenset[str], kernels: bool) -> bool:
-    """Whether int4 layers take tokenspool's operator (``"q4_1"``) over torch's kernel on a CPU with ``flags``:
-    where the operators are loaded (``kernels``) and the CPU has AVX2 but not torch's AVX-512 set."""
-    return kernels and flags >= OWN_INT4_CPU_FLAGS and not flags >= AVX512_CPU_FLAGS
+def own_int4_kernel(flags: frozenset[str], kernels: bool, dtype: torch.dtype) -> bool:
+    """Whether int4 layers computing in ``dtype`` take tokenspool's operators (``"q4_1"``) over torch's kernel on a
+    CPU with ``flags``: where the operators are loaded (``kernels``) and the CPU has AVX2, under float32 always,
+    under bf16 where torch's kernel lacks its AVX-512 set."""
+    return kernels and flags >= OWN_INT4_CPU_FLAGS and (dtype == torch.float32 or not flags >= AVX512_CPU_FLAGS)
 
 
 def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str], half: bool, quantization: str | None = None
@@ -345,7 +350,7 @@ def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if quantization == "fp16" and not half:
         raise ValueError(f"EngineConfig.quantization 'fp16' needs dtype float32 on a CPU with fbgemm (x86), got "
                          f"{dtype}")
-    if quantization == "int4" and own_int4_kernel(flags, kernels()):
+    if quantization == "int4" and own_int4_kernel(flags, kernels(), dtype):
         quantization = "q4_1"
     exact = config.dtype == "float32" and quantization is None
     return ComputePlan(dtype=dtype, quantization=quantization, own_decoder=unsupported is None and not exact,

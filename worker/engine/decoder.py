@@ -85,8 +85,9 @@ def head_quantization(quantization: str | None, dtype: torch.dtype, device: torc
     tokenspool's C++ operators are loaded (``decode_kernel.load_decode_kernel``).
 
     - with the operators, q8_0 (GGUF's own head format, so a Q8_0 head comes back exactly) through
-      ``tokenspool::int8_linear`` up to 4 rows, the dense head beyond: SmolLM2's head at one row 0.9-1.0 ms against
-      1.96-2.6 for prepacked bf16 and 1.7-1.9 for float16 (fbgemm); ahead through 4 rows (AMD EPYC Zen 4).
+      ``tokenspool::int8_linear`` up to 4 rows, the dense head beyond (under float32 ``q8_0_rows``' tiles): SmolLM2's
+      head at one row 0.9-1.0 ms against 1.96-2.6 for prepacked bf16 and 1.7-1.9 for float16 (fbgemm); ahead
+      through 4 rows (AMD EPYC Zen 4).
     - else bf16 on a CPU: prepacked bf16 alone; at one row it ran 2.1 ms against torch's int8 kernel's 2.4 (SmolLM2's
       49152 x 576, EPYC) and agreed with the float32 head's top token more often (97.3% vs 96.0% of 2,048 positions).
     - float32 with fbgemm: float16 weights, float32 activations (2.7 ms against the int8 kernel's 3.9 at one row,

@@ -22,7 +22,11 @@ engine serves the shipped model file's weights, up to the rounding of the scales
 ``"q8_0"`` (the LM head's, where the engine's C++ operators are built: ``decode_kernel.py``) is GGUF's Q8_0 block:
 int8 codes in groups of 32 input columns with a float16 scale each, multiplied by ``tokenspool::int8_linear``
 (``csrc/int8_linear.cpp``) in float32 from float32 or bf16 activations. A GGUF file's own Q8_0 head (SmolLM2's)
-comes back exactly; at one row it reads SmolLM2's head in less than half the time of the dense bf16 matmul.
+comes back exactly; at one row it reads SmolLM2's head in less than half the time of the dense bf16 matmul. Under
+float32 such a layer keeps no dense copy either: calls of more rows go to ``tokenspool::q8_0_rows`` over its codes
+widened to int16 in tiles (``tile_q8_0``), with the activations rounded to 16 bits per group of 32, for AVX2's
+16-bit integer multiply-adds (twice an FMA's products): a 32-row decode step 54.9 against 57.8 ms with fbgemm's
+float16 head (Xeon with AVX2 kernels; fbgemm there ran its AVX-512 code), greedy agreement unchanged.
 
 ``"q4_1"`` is int4 in GGUF's own Q4_1 blocks (``pack_q4_1``: two codes a byte, float16 scales and minimums), for
 ``tokenspool::int4_linear`` (``csrc/int4_linear.cpp``): the file's float16 scales as they are, float32 (or bf16)
@@ -148,6 +152,12 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, low: torch.Tensor
     return (grouped * scales.float()[..., None] + low.float()[..., None]).view(rows, cols)
 
 
+def dequantize_q8_0(codes: torch.Tensor, scales: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """``quantize_q8_0``'s codes [N, K] with scales [N, K/g] -> ``d * q`` [N, K], float32."""
+    rows, cols = codes.shape
+    return (codes.view(rows, cols // group_size, group_size).float() * scales.float()[..., None]).view(rows, cols)
+
+
 def pack_q4_1(codes: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
     """``quantize_int4``'s codes [N, K] in Q4_1's byte order -> [N, K/2] uint8: in each group of 32, byte ``j``
     holds code ``j`` in its low and code ``j + 16`` in its high nibble."""
@@ -164,25 +174,42 @@ def unpack_q4_1(packed: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Ten
     return torch.cat([groups & 0x0F, groups >> 4], dim=-1).reshape(rows, 2 * half_cols)
 
 
-TILE_COLUMNS = 8  # output columns a ``tile_q4_1`` tile holds (``csrc/q4_1_rows.cpp``)
+TILE_COLUMNS = 8  # output columns a tile of ``tokenspool::q4_1_rows`` / ``q8_0_rows`` holds (``csrc/integer_rows.cpp``)
+TILED = ("q4_1", "q8_0")  # the quantisations whose float32 layers run calls of many rows on tiles
 
 
-def tile_q4_1(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int = GROUP_SIZE
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_int4``'s codes [N, K] and float16 scales and minimums [N, K/g] in ``tokenspool::q4_1_rows``'s
-    tiles: codes one a byte [N/8, K/g, g/4, 8, 4] (8 columns x 4 inputs a vector), scales and minimums float32
-    [N/8, K/g, 8]. N a multiple of 8."""
+def tile_codes(codes: torch.Tensor, inputs: int, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """Codes [N, K] in tiles [N/8, K/g, g/inputs, 8, inputs]: a vector holds ``inputs`` consecutive inputs of 8
+    columns. N a multiple of 8."""
     rows, cols = codes.shape
     blocks, groups = rows // TILE_COLUMNS, cols // group_size
-    tiles = codes.to(torch.uint8).view(blocks, TILE_COLUMNS, groups, group_size // 4, 4).permute(0, 2, 3, 1, 4)
-    by_block = [t.float().view(blocks, TILE_COLUMNS, groups).transpose(1, 2).contiguous() for t in (scales, mins)]
-    return tiles.contiguous(), by_block[0], by_block[1]
+    tiles = codes.view(blocks, TILE_COLUMNS, groups, group_size // inputs, inputs).permute(0, 2, 3, 1, 4)
+    return tiles.contiguous()
 
 
-def tiles_q4_1(quantization: str | None, dtype: torch.dtype, out_features: int) -> bool:
-    """Whether a q4_1 layer computing in ``dtype`` runs its calls of many rows on ``q4_1_rows`` (float32 compute,
-    ``out_features`` a multiple of 8) rather than on float16 weights."""
-    return quantization == "q4_1" and dtype == torch.float32 and out_features % TILE_COLUMNS == 0
+def tile_per_group(values: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, K/g] (scales, minimums; any float dtype) in the tiles' order: float32 [N/8, K/g, 8]."""
+    rows, groups = values.shape
+    return values.float().view(rows // TILE_COLUMNS, TILE_COLUMNS, groups).transpose(1, 2).contiguous()
+
+
+def tile_q4_1(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``quantize_int4``'s codes [N, K] and scales and minimums [N, K/32] as ``tokenspool::q4_1_rows`` takes them:
+    codes one a byte [N/8, K/32, 8, 8, 4] (8 columns x 4 inputs a vector), scales and minimums [N/8, K/32, 8]."""
+    return tile_codes(codes.to(torch.uint8), 4), tile_per_group(scales), tile_per_group(mins)
+
+
+def tile_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``quantize_q8_0``'s codes [N, K] and scales [N, K/32] as ``tokenspool::q8_0_rows`` takes them: codes widened
+    to int16 [N/8, K/32, 16, 8, 2] (8 columns x 2 inputs a vector), scales [N/8, K/32, 8]."""
+    return tile_codes(codes.to(torch.int16), 2), tile_per_group(scales)
+
+
+def tiles_rows(quantization: str | None, dtype: torch.dtype, out_features: int) -> bool:
+    """Whether a layer under ``quantization`` computing in ``dtype`` runs its calls of many rows on tiles
+    (``q4_1_rows``, ``q8_0_rows``: float32 compute, ``out_features`` a multiple of 8) rather than on float16
+    weights."""
+    return quantization in TILED and dtype == torch.float32 and out_features % TILE_COLUMNS == 0
 
 
 def lies_on_int4_grid(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> bool:
@@ -208,7 +235,7 @@ class PackedLinear(nn.Module):
         if quantization is not None and dtype not in QUANTIZED_COMPUTE_DTYPES:
             raise ValueError(f"quantized layers compute in one of {QUANTIZED_COMPUTE_DTYPES}, got {dtype}")
         self.out_features, self.in_features = weight.shape
-        tiled = tiles_q4_1(quantization, dtype, self.out_features)
+        tiled = tiles_rows(quantization, dtype, self.out_features)
         self.half = keeps_half(quantization, dtype, weight.device) and not tiled
         if quantization == "fp16" and not self.half:
             raise ValueError(f"quantization 'fp16' needs dtype float32 on a CPU with fbgemm, got {dtype} on "
@@ -220,15 +247,16 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(dtype)
         weight = weight.detach().float()
         self.codes = self.scales = self.mins = None
-        self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.tiles: tuple[torch.Tensor, ...] | None = None
         if quantization == "int8":
             codes, scales = quantize_int8(weight)
             self.codes, self.scales = codes, scales.to(KERNEL_DTYPE)
             weight = codes.float() * self.scales.float()[:, None]
         elif quantization == "q8_0":
             self.codes, self.scales = quantize_q8_0(weight)
-            weight = (self.codes.view(self.out_features, -1, GROUP_SIZE).float()
-                      * self.scales.float()[..., None]).view(self.out_features, self.in_features)
+            if tiled:
+                self.tiles = tile_q8_0(self.codes, self.scales)
+            weight = dequantize_q8_0(self.codes, self.scales)
         elif quantization == "q4_1":
             codes, scales, low = quantize_int4(weight)
             self.codes, self.scales, self.mins = pack_q4_1(codes), scales.half(), low.half()
@@ -259,7 +287,8 @@ class PackedLinear(nn.Module):
         the compute dtype: type promotion then gives the same sum as the cast would, one op fewer."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.tiles is not None and rows.shape[0] > self.max_rows:
-            out = torch.ops.tokenspool.q4_1_rows(rows, *self.tiles)
+            rows_op = torch.ops.tokenspool.q4_1_rows if self.quantization == "q4_1" else torch.ops.tokenspool.q8_0_rows
+            out = rows_op(rows, *self.tiles)
             out = out if self.bias is None else out + self.bias
         elif self.codes is None or rows.shape[0] > self.max_rows:
             assert self.weight is not None
@@ -284,7 +313,9 @@ class PackedLinear(nn.Module):
         """The dense weight [N, K] in the plain layout: in the compute dtype (float32 values of the float16 weight
         when half-packed; of the Q4_1 blocks when tiled)."""
         if self.weight is None:
-            assert self.codes is not None and self.scales is not None and self.mins is not None
+            assert self.codes is not None and self.scales is not None
+            if self.mins is None:
+                return dequantize_q8_0(self.codes, self.scales)
             return dequantize_int4(unpack_q4_1(self.codes), self.scales, self.mins)
         if isinstance(self.weight, torch.ScriptObject):
             weight: torch.Tensor = torch.ops.quantized.linear_unpack_fp16(self.weight)[0]
@@ -293,7 +324,7 @@ class PackedLinear(nn.Module):
 
     def layout(self) -> str:
         """How the dense weight is stored: ``"half"`` (fbgemm float16), ``"prepacked"`` (oneDNN), ``"plain"``, or
-        ``"tiles"`` (none: the Q4_1 blocks serve every call, ``tile_q4_1``)."""
+        ``"tiles"`` (none: the GGUF blocks serve every call, ``tile_q4_1`` / ``tile_q8_0``)."""
         if self.weight is None:
             return "tiles"
         if isinstance(self.weight, torch.ScriptObject):

@@ -12,7 +12,7 @@
 //     as (codes, scales, mins, bias, tiles, tile scales, tile mins), a zero-element tensor where a projection has
 //     none; `format` is linear.py's name of their layout: "int4" (torch's _weight_int4pack_mm_for_cpu, scales its
 //     scales_and_zeros), "int8" (torch's _weight_int8pack_mm) or "q4_1" (int4_linear.cpp up to `max_rows` rows,
-//     q4_1_rows.cpp on the tiles beyond: linear.py's tile_q4_1, which a step of more rows needs).
+//     integer_rows.cpp on the tiles beyond: linear.py's tile_q4_1, which a step of more rows needs).
 //   norms: per layer (input, post-attention), float32 [C].
 // hidden is in the compute dtype, the K/V pools in it or in 16 bits under float32; the layers' new K/V are written
 // into the pools at `slots`, rounded to the pools' dtype.

@@ -201,7 +201,7 @@ void group_matmul(const float* x, int64_t M, const Weights& w, int64_t N, Out* o
 }
 
 // A group of 32 activations rounded to integer codes for an integer dot product (int4_linear.cpp: 16 bits,
-// q4_1_rows.cpp: 8): v[j] ~ step * codes[j], step = max |v| / levels, so each value moves by at most half a step.
+// integer_rows.cpp: 8): v[j] ~ step * codes[j], step = max |v| / levels, so each value moves by at most half a step.
 // A NaN or infinity is coded 0 and left in `total` (the group's float32 sum), through which it reaches the result.
 struct RoundedGroup {
   float step;        // max |v| / levels

@@ -18,6 +18,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& mins);  // int4_linear.cpp
 at::Tensor q4_1_rows(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
-                     const at::Tensor& mins);  // q4_1_rows.cpp
+                     const at::Tensor& mins);  // integer_rows.cpp
+at::Tensor q8_0_rows(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales);  // integer_rows.cpp
 
 }  // namespace tokenspool
