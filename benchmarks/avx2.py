@@ -7,7 +7,7 @@
 
 What runs as on an AVX2-only CPU:
 - torch's own kernels, MKL's and oneDNN's: ``ENVIRONMENT`` (each library reads it once, when it starts, so the
-  benchmark starts itself again with it: ``restart_with_avx2_libraries``);
+  benchmark starts itself again with it: ``restart_with``);
 - tokenspool's C++ operators: built without AVX-512 (``decode_kernel.WITHOUT_AVX512``) under a name of their own
   and loaded before the engine, which then finds them loaded;
 - the engine's CPU rules (dtype, which int4 kernel, row limits): ``config.cpu_flags`` reads this CPU's flags without
@@ -27,16 +27,16 @@ LABEL = " (AVX2 kernels: benchmarks/avx2.py)"  # after the CPU's description in 
 ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-def restart_with_avx2_libraries() -> None:
-    """This process again, from the start, with ``ENVIRONMENT`` set; returns where it is set already."""
-    if all(os.environ.get(key) == value for key, value in ENVIRONMENT.items()):
+def restart_with(environment: dict[str, str]) -> None:
+    """This process again, from the start, with ``environment`` set; returns where it is set already."""
+    if all(os.environ.get(key) == value for key, value in environment.items()):
         return
-    os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | ENVIRONMENT)
+    os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | environment)
 
 
 def emulate_avx2() -> None:
     """Everything above, in this process (started again first where the libraries' environment is missing)."""
-    restart_with_avx2_libraries()
+    restart_with(ENVIRONMENT)
     import torch
 
     assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import avx2  # noqa: E402
+from benchmarks import avx2, without_bf16  # noqa: E402
 from benchmarks.machine import read_cpu_info  # noqa: E402
 from benchmarks.offline_throughput import Req, make_workload  # noqa: E402
 
@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "llama_cpp")
     parser.add_argument("--avx2", action="store_true", help="the engine on an AVX2-only CPU's kernels "
                         "(benchmarks/avx2.py); pass an AVX2 llama-server too (LLAMA_CPP_ISA=avx2 build)")
+    parser.add_argument("--without-bf16", action="store_true", help="the engine as on an AVX-512 CPU without fast "
+                        "bf16 (benchmarks/without_bf16.py)")
     args = parser.parse_args(argv)
     args.systems = args.systems.split(",")
     args.scenarios = tuple(args.scenarios.split(","))
@@ -236,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scenarios must be among {SCENARIOS}, got {args.scenarios}")
     if args.avx2:
         avx2.emulate_avx2()
+    if args.without_bf16:
+        without_bf16.emulate_without_bf16()
 
     import torch
 
@@ -271,7 +275,8 @@ def build_report(args: argparse.Namespace, samples: list[Sample], vocab: int, dt
 
     summary = summarize(samples)
     return {
-        "machine": {"cpu": read_cpu_info().describe() + (avx2.LABEL if args.avx2 else ""),
+        "machine": {"cpu": read_cpu_info().describe() + (avx2.LABEL if args.avx2 else "")
+                    + (without_bf16.LABEL if args.without_bf16 else ""),
                     "threads": args.threads, "torch": torch.__version__,
                     "llama_cpp": llama_server_version(binary) if binary else "not run",
                     "load_average": os.getloadavg()},

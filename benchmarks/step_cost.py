@@ -132,21 +132,30 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=0, help="measure N interleaved decode steps instead")
     parser.add_argument("--batches", default="1,32", help="running requests for --steps, comma-separated")
     parser.add_argument("--avx2", action="store_true", help="an AVX2-only CPU's kernels (benchmarks/avx2.py)")
+    parser.add_argument("--without-bf16", action="store_true",
+                        help="as on an AVX-512 CPU without fast bf16 (benchmarks/without_bf16.py)")
     args = parser.parse_args()
     sys.path.insert(0, str(args.checkout.resolve()))
     sys.path.insert(1, str(HERE))
     from machine import read_cpu_info  # noqa: E402  # after the path is set
     from offline_throughput import make_workload  # noqa: E402
 
+    label = ""
     if args.avx2:
         from avx2 import LABEL, emulate_avx2  # noqa: E402
 
         emulate_avx2()
+        label += LABEL
+    if args.without_bf16:
+        from without_bf16 import LABEL, emulate_without_bf16  # noqa: E402
+
+        emulate_without_bf16()
+        label += LABEL
 
     from worker.engine import Engine, EngineConfig, SamplingParams
     from worker.models import resolve_model
 
-    cpu = read_cpu_info().describe() + (LABEL if args.avx2 else "")
+    cpu = read_cpu_info().describe() + label
     path = str(resolve_model("smollm2"))
     reqs = make_workload("mixed", 49152)[:32]
     engines = {}
