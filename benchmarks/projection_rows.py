@@ -12,7 +12,7 @@ times one such pass over 30 layers' worth of random weights per layout, the layo
 - ``fp32``: dense float32; ``fp16``: float16 weights in fbgemm's layout, float32 rows (what a float32 layer keeps
   under quantisation); ``fp32+int4``: the int4 kernel fed float32 rows cast to bf16 and back;
 - ``fp32+q4_1``, ``bf16+q4_1``: tokenspool's own int4 operator (GGUF's Q4_1 blocks, ``csrc/int4_linear.cpp``);
-- ``fp32+tiles``: the same blocks in ``tile_q4_1``'s tiles, activations rounded to 8 bits (``csrc/q4_1_rows.cpp``:
+- ``fp32+tiles``: the same blocks in ``tile_q4_1``'s tiles, activations rounded to 8 bits (``csrc/integer_rows.cpp``:
   what a float32 q4_1 layer runs past its ``max_rows``).
 The C++ operators are built (or loaded) first. ``--avx2``: an AVX2-only CPU's kernels on this one (torch's, MKL's,
 oneDNN's and the operators'; not fbgemm's: ``benchmarks/avx2.py``).
