@@ -359,9 +359,9 @@ def test_q8_0_rows_rejects_what_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="tiles"):
         op(torch.zeros(1, 96), tiles, scales)
     with pytest.raises(RuntimeError, match="tiles"):
-        op(torch.zeros(1, 64), tiles.to(torch.int8), scales)  # Q8_0's codes are tiled as int16
+        op(torch.zeros(1, 64), tiles.to(torch.int16), scales)  # Q8_0's codes are tiled one a byte
     with pytest.raises(RuntimeError, match="tiles"):
-        op(torch.zeros(1, 64), tile_q4_1(*q4_1_blocks(1, 16, 2)[:3])[0].to(torch.int16), scales)  # Q4_1's shape
+        op(torch.zeros(1, 64), tile_q4_1(*q4_1_blocks(1, 16, 2)[:3])[0].to(torch.int8), scales)  # Q4_1's shape
     with pytest.raises(RuntimeError, match="scales"):
         op(torch.zeros(1, 64), tiles, scales.half())
     with pytest.raises(RuntimeError, match="scales"):

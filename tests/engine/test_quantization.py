@@ -218,7 +218,7 @@ def test_a_float32_q4_1_layer_keeps_tiles_for_many_rows_and_no_dense_copy(operat
     assert PackedLinear(weight, bias, torch.bfloat16, "q4_1").layout() != "tiles"
 
 
-def test_a_float32_q8_0_layer_keeps_int16_tiles_for_many_rows_and_no_dense_copy(operators: None) -> None:
+def test_a_float32_q8_0_layer_keeps_tiles_for_many_rows_and_no_dense_copy(operators: None) -> None:
     """Under float32 a q8_0 layer (the LM head) runs few rows on ``int8_linear`` (float32 activations) and more on
     ``q8_0_rows`` (16-bit activations, the tiles of ``tile_q8_0``), with no dense copy: ``dense_weight`` rebuilds
     the Q8_0 weights exactly, and both paths agree with them to 1e-4 (the 16-bit rounding moves a value by at most

@@ -24,8 +24,8 @@ int8 codes in groups of 32 input columns with a float16 scale each, multiplied b
 (``csrc/int8_linear.cpp``) in float32 from float32 or bf16 activations. A GGUF file's own Q8_0 head (SmolLM2's)
 comes back exactly; at one row it reads SmolLM2's head in less than half the time of the dense bf16 matmul. Under
 float32 such a layer keeps no dense copy either: calls of more rows go to ``tokenspool::q8_0_rows`` over its codes
-widened to int16 in tiles (``tile_q8_0``), with the activations rounded to 16 bits per group of 32, for AVX2's
-16-bit integer multiply-adds (twice an FMA's products): a 32-row decode step 54.9 against 57.8 ms with fbgemm's
+in tiles (``tile_q8_0``), widened to 16 bits in registers, with the activations rounded to 16 bits per group of
+32, for AVX2's 16-bit integer multiply-adds (twice an FMA's products): a 32-row decode step 54.9 against 57.8 ms with fbgemm's
 float16 head (Xeon with AVX2 kernels; fbgemm there ran its AVX-512 code), greedy agreement unchanged.
 
 ``"q4_1"`` is int4 in GGUF's own Q4_1 blocks (``pack_q4_1``: two codes a byte, float16 scales and minimums), for
@@ -201,9 +201,9 @@ def tile_q4_1(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> 
 
 
 def tile_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``quantize_q8_0``'s codes [N, K] and scales [N, K/32] as ``tokenspool::q8_0_rows`` takes them: codes widened
-    to int16 [N/8, K/32, 16, 8, 2] (8 columns x 2 inputs a vector), scales [N/8, K/32, 8]."""
-    return tile_codes(codes.to(torch.int16), 2), tile_per_group(scales)
+    """``quantize_q8_0``'s codes [N, K] and scales [N, K/32] as ``tokenspool::q8_0_rows`` takes them: codes int8
+    [N/8, K/32, 16, 8, 2] (8 columns x 2 inputs a vector, once widened to 16 bits), scales [N/8, K/32, 8]."""
+    return tile_codes(codes, 2), tile_per_group(scales)
 
 
 def tiles_rows(quantization: str | None, dtype: torch.dtype, out_features: int) -> bool:

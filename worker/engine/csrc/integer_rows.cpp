@@ -5,7 +5,7 @@
 //   q4_1_rows(x [M, K] f32, tiles [N/8, G, 8, 8, 4] u8, scales, mins [N/8, G, 8] f32) -> [M, N] f32
 //     tiles[b, g, i, c, k] = q[8 b + c, 32 g + 4 i + k] (the code of column 8 b + c's weight at input 32 g + 4 i + k,
 //     0..15), w[n, 32 g + j] = scales[n / 8, g, n % 8] * q[n, 32 g + j] + mins[n / 8, g, n % 8]; G = K / 32.
-//   q8_0_rows(x [M, K] f32, tiles [N/8, G, 16, 8, 2] i16, scales [N/8, G, 8] f32) -> [M, N] f32
+//   q8_0_rows(x [M, K] f32, tiles [N/8, G, 16, 8, 2] i8, scales [N/8, G, 8] f32) -> [M, N] f32
 //     tiles[b, g, i, c, k] = q[8 b + c, 32 g + 2 i + k] (-127..127), w[n, 32 g + j] = scales[n / 8, g, n % 8] *
 //     q[n, 32 g + j].
 //
@@ -17,9 +17,10 @@
 //   every column and adds them in pairs into 16-bit sums, which hold a whole group (8 x 2 x 15 x 127 = 30,480 <
 //   2^15); one vpmaddwd widens them to the 8 columns' int32 dots. m sum(x) sums the rounded values too, so the
 //   result is w . x' exactly for the rounded x' (to float32 rounding).
-// - Q8_0 (the LM head): 16-bit a (levels 32767, int4_linear.cpp's rounding: 2^-16 of the group's largest), the
-//   codes widened to 16 bits once, when tiled; vpmaddwd multiplies a vector's 16 codes (8 columns x 2 inputs) by 2
-//   activations and adds the pairs into the int32 dots. Signed 8-bit codes on both sides would need vpmaddubsw's
+// - Q8_0 (the LM head): 16-bit a (levels 32767, int4_linear.cpp's rounding: 2^-16 of the group's largest); a
+//   vector's 16 codes (8 columns x 2 inputs, one a byte) are widened to 16 bits as they are loaded, once for the
+//   tile's rows, and vpmaddwd multiplies them by 2 activations and adds the pairs into the int32 dots (codes kept
+//   as int16 read twice the bytes and ran no faster: 51.8 ms a 32-row step either way, Xeon, AVX2 kernels). Signed 8-bit codes on both sides would need vpmaddubsw's
 //   unsigned operand made with two sign operations, the same count of instructions, for a coarser rounding.
 // The dots are converted and scaled once a group. A NaN or infinity among a group's activations reaches its row's
 // results: through the group's sum (Q4_1), through a NaN step (Q8_0). Few rows (decode) keep the float32 weights
@@ -43,7 +44,8 @@ constexpr int kTileRows = 2, kTileBlocks = 2;  // rows x blocks of 8 columns a r
                                                // Q8_0 on a Xeon: 2x2, 4x2, 3x3 within 8%, 6x2, 4x3 slower)
 
 // A format: its activations' codes (`Code`, `kLevels`), a vector's inputs per column (`kInputs`: 4 bytes of
-// activations broadcast a vector), and its integer multiply-add (`dot`: into lanes that `widen` makes int32).
+// activations broadcast a vector), its weights' codes (`Weight`, `load`: a vector's worth as the multiply-add takes
+// them) and its integer multiply-add (`dot`: into lanes that `widen` makes int32).
 struct Q4_1 {
   using Code = int8_t;
   using Weight = uint8_t;
@@ -51,6 +53,7 @@ struct Q4_1 {
   static constexpr int64_t kInputs = 4;
   static constexpr bool kMins = true;
 #if defined(__AVX2__)
+  static __m256i load(const Weight* codes) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)); }
   static __m256i dot(__m256i sums, __m256i codes, __m256i a) {
     return _mm256_add_epi16(sums, _mm256_maddubs_epi16(codes, a));
   }
@@ -60,11 +63,14 @@ struct Q4_1 {
 
 struct Q8_0 {
   using Code = int16_t;
-  using Weight = int16_t;
+  using Weight = int8_t;
   static constexpr float kLevels = 32767.f;
   static constexpr int64_t kInputs = 2;
   static constexpr bool kMins = false;
 #if defined(__AVX2__)
+  static __m256i load(const Weight* codes) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  }
   static __m256i dot(__m256i sums, __m256i codes, __m256i a) {
     return _mm256_add_epi32(sums, _mm256_madd_epi16(codes, a));
   }
@@ -131,8 +137,7 @@ void tile(const Tiles<Format>& w, const Rows<Format>& x, int64_t r0, int64_t b0,
     for (int64_t i = 0; i < kSteps; ++i) {
       __m256i codes[kBlocks];
       UNROLLED for (int b = 0; b < kBlocks; ++b) {
-        codes[b] = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(w.codes + (((b0 + b) * G + g) * kSteps + i) * kVector));
+        codes[b] = Format::load(w.codes + (((b0 + b) * G + g) * kSteps + i) * kVector);
       }
       UNROLLED for (int r = 0; r < kRows; ++r) {
         int32_t four;  // 4 bytes of activations: kInputs codes
@@ -235,7 +240,7 @@ at::Tensor q4_1_rows(const at::Tensor& x, const at::Tensor& tiles, const at::Ten
 }
 
 at::Tensor q8_0_rows(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales) {
-  return rows_matmul<Q8_0>(x, tiles, at::kShort, {&scales});
+  return rows_matmul<Q8_0>(x, tiles, at::kChar, {&scales});
 }
 
 }  // namespace tokenspool
