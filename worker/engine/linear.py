@@ -25,8 +25,8 @@ int8 codes in groups of 32 input columns with a float16 scale each, multiplied b
 comes back exactly; at one row it reads SmolLM2's head in less than half the time of the dense bf16 matmul. Under
 float32 such a layer keeps no dense copy either: calls of more rows go to ``tokenspool::q8_0_rows`` over its codes
 in tiles (``tile_q8_0``), widened to 16 bits in registers, with the activations rounded to 16 bits per group of
-32, for AVX2's 16-bit integer multiply-adds (twice an FMA's products): a 32-row decode step 54.9 against 57.8 ms with fbgemm's
-float16 head (Xeon with AVX2 kernels; fbgemm there ran its AVX-512 code), greedy agreement unchanged.
+32, for AVX2's 16-bit integer multiply-adds (twice an FMA's products): a 32-row decode step 54.9 against 57.8 ms
+with fbgemm's float16 head (Xeon with AVX2 kernels; fbgemm there ran its AVX-512 code), greedy agreement unchanged.
 
 ``"q4_1"`` is int4 in GGUF's own Q4_1 blocks (``pack_q4_1``: two codes a byte, float16 scales and minimums), for
 ``tokenspool::int4_linear`` (``csrc/int4_linear.cpp``): the file's float16 scales as they are, float32 (or bf16)
@@ -35,11 +35,12 @@ largest) so that each group's dot product with the 4-bit codes is an exact integ
 torch's int4 kernel runs its AVX2 code (CPUs without AVX-512) this one is 1.5-1.7x faster at 1-4 rows (AMD EPYC
 Zen 3), and greedy decode agrees with the float32 model at every position tested (``config.own_int4_kernel`` picks
 it there, and under float32 on AVX-512 CPUs too, with the tiles below: a 32-row step 56.7 against 81.6 ms, Xeon
-without its bf16 flags). Under float32 such a layer keeps no dense copy: calls of more than ``max_rows`` rows (prefill chunks, decode
-batches) go to ``tokenspool::q4_1_rows`` (``csrc/integer_rows.cpp``) over the same codes one a byte in tiles
-(``tile_q4_1``), with the activations rounded to 8 bits per group of 32 (llama.cpp's rounding of them) for AVX2's
-8-bit integer multiply-adds: 1.3-1.7x fbgemm's float16 matmul from 8 rows on an AVX2-only EPYC (Zen 3), greedy
-agreement with the float32 model 99.3% on prefill rows (bf16's), half the bytes of the float16 copy.
+without its bf16 flags). Under float32 such a layer keeps no dense copy: calls of more than ``max_rows`` rows
+(prefill chunks, decode batches) go to ``tokenspool::q4_1_rows`` (``csrc/integer_rows.cpp``) over the same codes one
+a byte in tiles (``tile_q4_1``), with the activations rounded to 8 bits per group of 32 (llama.cpp's rounding of
+them) for AVX2's 8-bit integer multiply-adds: 1.3-1.7x fbgemm's float16 matmul from 8 rows on an AVX2-only EPYC
+(Zen 3), greedy agreement with the float32 model 99.3% on prefill rows (bf16's), half the bytes of the float16
+copy.
 
 ``"fp16"`` keeps float32 activations and accumulation but stores the weight as float16, in fbgemm's packed layout
 (``half_pack``; torch's x86 builds carry fbgemm): a matmul reads half the bytes of a float32 one and converts them
