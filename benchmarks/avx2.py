@@ -8,8 +8,8 @@
 What runs as on an AVX2-only CPU:
 - torch's own kernels, MKL's and oneDNN's: ``ENVIRONMENT`` (each library reads it once, when it starts, so the
   benchmark starts itself again with it: ``restart_with``);
-- tokenspool's C++ operators: built without AVX-512 (``decode_kernel.WITHOUT_AVX512``) under a name of their own
-  and loaded before the engine, which then finds them loaded;
+- tokenspool's C++ operators: built without AVX-512 and AVX-VNNI (``decode_kernel.AVX2_ONLY``) under a name of
+  their own and loaded before the engine, which then finds them loaded;
 - the engine's CPU rules (dtype, which int4 kernel, row limits): ``config.cpu_flags`` reads this CPU's flags without
   AVX-512 and AMX, in this process only.
 Not emulated: fbgemm's float16 matmuls (the dense path of float32 layers from 5 rows, and prefill) pick AVX-512
@@ -42,7 +42,7 @@ def emulate_avx2() -> None:
     assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
     from worker.engine import config, decode_kernel
 
-    decode_kernel.build(AVX2_EXTENSION, decode_kernel.WITHOUT_AVX512)  # registers the operators the engine calls
+    decode_kernel.build(AVX2_EXTENSION, decode_kernel.AVX2_ONLY)  # registers the operators the engine calls
 
     flags = config.cpu_flags()
     config.cpu_flags = lambda: frozenset(f for f in flags if not f.startswith(("avx512", "amx")))

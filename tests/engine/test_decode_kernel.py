@@ -499,8 +499,8 @@ def test_without_a_compiler_the_engine_falls_back_or_refuses(tmp_path: Path) -> 
 AVX2_BUILD = """
 import sys
 import pytest
-from worker.engine.decode_kernel import WITHOUT_AVX512, build
-build("tokenspool_kernels_avx2_test", WITHOUT_AVX512)
+from worker.engine.decode_kernel import AVX2_ONLY, build
+build("tokenspool_kernels_avx2_test", AVX2_ONLY)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
                       sys.argv[1], "-k", "operator_matches or int8_linear or int4_linear or fused_steps or kv_write"]))
 """

@@ -7,10 +7,11 @@
   block_tables [B, MB] int64, context_lens [B] int64, scale) -> [B, H, D]``.
 - ``int8_linear`` (``int8_linear.cpp``): the LM head in GGUF's Q8_0 blocks for few rows (``linear.py``'s q8_0).
 - ``int4_linear`` (``int4_linear.cpp``): int4 layers in GGUF's Q4_1 blocks for few rows, float32 activations
-  (``linear.py``'s q4_1), where torch's int4 kernel runs its AVX2 code. Both matmuls share ``group_matmul.h``.
+  (``linear.py``'s q4_1), where torch's int4 kernel runs its AVX2 code or the compute dtype is float32. Both
+  matmuls share ``group_matmul.h``.
 - ``q4_1_rows``, ``q8_0_rows`` (``integer_rows.cpp``): the same Q4_1 layers and Q8_0 head for calls of more rows
   (prefill, decode batches) under a float32 compute dtype: activations rounded to integers per group of 32 (8 bits
-  for Q4_1, 16 for Q8_0) and AVX2's integer multiply-adds.
+  for Q4_1, 16 for Q8_0) and AVX2's integer multiply-adds (VNNI's fused ones where the CPU has them).
 - ``rms_norm``, ``rope_``, ``silu_and_mul`` (``fused.cpp``): the decoder's small per-layer steps, one operator each
   instead of a chain of torch ops (``decoder.py``).
 - ``kv_write_`` (``kv_write.cpp``): a layer's new keys and values stored at their slots in one call, not two
@@ -41,7 +42,8 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in (
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("group_matmul.h", "fast_exp.h", "operators.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math")  # -fopenmp: at::parallel_for runs threaded; the rest: reductions vectorise
-WITHOUT_AVX512 = ("-mno-avx512f",)  # with ``build``: the AVX2 code on an AVX-512 CPU (tests, benchmarks/avx2.py)
+# With ``build``: an AVX2-only CPU's code (no AVX-512, no AVX-VNNI) on a newer one (tests, benchmarks/avx2.py).
+AVX2_ONLY = ("-mno-avx512f", "-mno-avxvnni")
 
 
 OPERATORS = ("paged_decode_attention", "int8_linear", "int4_linear", "q4_1_rows", "q8_0_rows", "rms_norm", "rope_",
