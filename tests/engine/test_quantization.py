@@ -242,6 +242,19 @@ def test_a_float32_q8_0_layer_keeps_tiles_for_many_rows_and_no_dense_copy(operat
     assert PackedLinear(weight, None, torch.bfloat16, "q8_0").layout() != "tiles"
 
 
+def test_only_cpus_with_avx2_keep_tiles(operators: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AVX2 (torch's CPU capability) the tiled operators would run their scalar loops: float32 q8_0 and
+    q4_1 layers keep dense weights for many rows there."""
+    weight = torch.randn(96, 128) * 0.05
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    for quantization in ("q8_0", "q4_1"):
+        linear = PackedLinear(weight, None, torch.float32, quantization)
+        assert linear.tiles is None and linear.layout() != "tiles"
+        x = torch.randn(QUANTIZED_MAX_ROWS + 3, 128)
+        with torch.inference_mode():
+            torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.dense_weight()))
+
+
 @needs_fbgemm
 def test_a_float32_decoder_keeps_float16_weights_and_head(tiny_llama: Path) -> None:
     """float32 under int4: int4 codes plus a float16 dense copy; the LM head float16 alone (faster than the int8

@@ -207,11 +207,15 @@ def tile_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, 
     return tile_codes(codes, 2), tile_per_group(scales)
 
 
+VECTOR_CAPABILITIES = ("AVX2", "AVX512")  # torch's names of the CPUs whose vectors run the tiles' integer code
+
+
 def tiles_rows(quantization: str | None, dtype: torch.dtype, out_features: int) -> bool:
     """Whether a layer under ``quantization`` computing in ``dtype`` runs its calls of many rows on tiles
-    (``q4_1_rows``, ``q8_0_rows``: float32 compute, ``out_features`` a multiple of 8) rather than on float16
-    weights."""
-    return quantization in TILED and dtype == torch.float32 and out_features % TILE_COLUMNS == 0
+    (``q4_1_rows``, ``q8_0_rows``: float32 compute, ``out_features`` a multiple of 8, a CPU with AVX2, where the
+    operators' vector code runs rather than their scalar loops) rather than on float16 weights."""
+    return (quantization in TILED and dtype == torch.float32 and out_features % TILE_COLUMNS == 0
+            and torch.backends.cpu.get_cpu_capability() in VECTOR_CAPABILITIES)
 
 
 def lies_on_int4_grid(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> bool:
