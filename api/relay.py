@@ -9,18 +9,29 @@ HTTP response body runs in another task than the endpoint that decided the statu
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+from redis.exceptions import RedisError
 
 from api.sse import wait_for_disconnect
 from shared.queue import JobQueue, RateState
 from shared.schemas import DoneEvent, ErrorEvent, JobRecord, JobSubmission, StreamEvent
 from shared.tasks import stop_tasks
 
+log = logging.getLogger(__name__)
+
 _END = object()
 CLOSE_TIMEOUT_S = 1.0
+# A relay whose stream fails with a Redis error its reader did not ride out (shared/job_stream.py retries the usual
+# connection errors itself) reopens the stream after the last event it relayed, pausing RESUME_PAUSE_S before each
+# try, until RESUME_S pass without an event; then the error goes to the caller. Other errors go at once.
+RESUME_S = 30.0
+RESUME_PAUSE_S = 0.25
+REDIS_FAILURES = (RedisError, OSError)
 # Events relayed ahead of the reader at most. A slow reader stops the relay here, and the relay reads the job's
 # log a page at a time (shared/job_stream.py), so a stream held open by a reader that never reads costs a few
 # pages of memory, not the job's whole log (docs/security.md has the numbers).
@@ -46,7 +57,7 @@ class JobRelay:
         self._queue = queue
         self.job_id = job_id
         self._submission = submission
-        self._after_seq = after_seq
+        self._after_seq = after_seq  # where the stream opens: the request's, then the last event relayed
         # Unbounded as a queue, bounded by ``_room``: each event takes a place and the reader gives it back; the
         # end and failure markers take none, so they can always be queued, even when the reader has stopped.
         self._events: asyncio.Queue[Any] = asyncio.Queue()
@@ -91,17 +102,40 @@ class JobRelay:
             self._events.put_nowait(_END)
 
     async def events(self) -> AsyncIterator[StreamEvent]:
-        """The job's events in ``seq`` order, ending after its DoneEvent or ErrorEvent."""
+        """The job's events in ``seq`` order, ending after its DoneEvent or ErrorEvent; through a Redis failure
+        the stream is reopened after the last event (each seq still comes once)."""
+        failing_since: float | None = None
         while True:
             item = await self._events.get()
             if item is _END:
                 return
             if isinstance(item, _Failure):
-                raise item.exc
+                failing_since = failing_since if failing_since is not None else time.monotonic()
+                await self._reopen(item.exc, failing_since)
+                continue
+            failing_since = None
             self._room.release()
+            self._after_seq = item.seq
             if isinstance(item, DoneEvent | ErrorEvent):
                 self.finished = True
             yield item
+
+    async def _reopen(self, exc: BaseException, failing_since: float) -> None:
+        """Open the stream again after the last event relayed (never submitting again); raises ``exc`` when it is
+        not a Redis failure or the stream has failed for ``RESUME_S``. A failed reopen queues its own failure."""
+        if not isinstance(exc, REDIS_FAILURES) or time.monotonic() - failing_since >= RESUME_S:
+            raise exc
+        log.warning("stream of job %s failed (%r); reopening it after event %d", self.job_id, exc, self._after_seq,
+                    extra={"job_id": self.job_id})
+        await self.close()
+        await asyncio.sleep(RESUME_PAUSE_S)
+        self._submission = None
+        self._events, self._room = asyncio.Queue(), asyncio.Semaphore(RELAY_BUFFER)
+        try:
+            await self.start()
+        except REDIS_FAILURES as failure:
+            self._events = asyncio.Queue()  # holds the failed task's end marker: drop it
+            self._events.put_nowait(_Failure(failure))
 
     async def final(self) -> DoneEvent | ErrorEvent | None:
         """Wait for the job's terminal event, ignoring the tokens (the non-streaming path)."""

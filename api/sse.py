@@ -19,6 +19,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 PING = b": ping\n\n"
+# The last thing a resumable stream sends when it ends without its terminal event (Redis stayed away).
+STREAM_LOST = b": the event stream lost Redis; reconnect with Last-Event-ID\n\n"
 
 
 def format_event(data: str | Mapping[str, Any], *, event: str | None = None, id: int | str | None = None) -> bytes:

@@ -20,8 +20,8 @@ from api.auth import can_access
 from api.deps import CatalogDep, MetricsDep, OwnerDep, QueueDep, SettingsDep
 from api.errors import invalid_request, job_not_found
 from api.progress import with_progress
-from api.relay import JobRelay
-from api.sse import EventStreamResponse, format_event
+from api.relay import REDIS_FAILURES, JobRelay
+from api.sse import STREAM_LOST, EventStreamResponse, format_event
 from api.submission import (
     build_submission,
     check_beam_search,
@@ -282,9 +282,14 @@ async def _job_event_stream(relay: JobRelay, metrics: MetricsDep) -> AsyncIterat
         async for event in relay.events():
             assert isinstance(event, TokenEvent | RestartEvent | DoneEvent | ErrorEvent)
             yield format_event(_event_data(event), event=event.type, id=event.seq)
-    except Exception:  # Redis went away mid-stream: say so in-band (without Redis's words), the client may resume
+    except REDIS_FAILURES:
+        # Redis stayed away past the relay's own reopening: end without a terminal event (the job goes on), so the
+        # client reconnects with Last-Event-ID as after any dropped connection (an EventSource does by itself).
+        log.warning("event stream of job %s lost Redis", relay.job_id, exc_info=True, extra={"job_id": relay.job_id})
+        yield STREAM_LOST
+    except Exception:  # not Redis's: say so in-band (without the exception's words)
         log.warning("event stream of job %s failed", relay.job_id, exc_info=True, extra={"job_id": relay.job_id})
-        yield format_event({"message": "the event stream failed; resume with Last-Event-ID"}, event="error")
+        yield format_event({"message": "the event stream failed"}, event="error")
     finally:
         metrics.open_streams.dec()
         await relay.close()
