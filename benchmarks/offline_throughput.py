@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=None, help="request-count scale (overrides --quick)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every system (default: the cores not already busy, at least 1)")
+    parser.add_argument("--dtype", default=None, help="the engines' dtype (default: EngineConfig's pick for this "
+                        "CPU; float32 is the exact path, whose decode attention gathers K/V)")
     parser.add_argument("--out", type=Path, default=RESULTS / "offline_throughput")
     args = parser.parse_args(argv)
 
@@ -231,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     config = hf_model.config
     rate = matmul_rate_gflops()
     print(f"fp32 matmul rate: {rate:.1f} GFLOP/s on {torch.get_num_threads()} threads", flush=True)
-    common = dict(model=str(path), num_threads=args.threads)
+    common = dict(model=str(path), num_threads=args.threads, dtype=args.dtype)
     engines: dict[str, Callable[[], object]] = {
         "engine": lambda: Engine(EngineConfig(**common, enable_prefix_caching=True)),
         "engine_no_prefix_cache": lambda: Engine(EngineConfig(**common, enable_prefix_caching=False)),
-        "engine_no_cascade": lambda: Engine(EngineConfig(**common, cascade_attention=False)),
+        "engine_no_cascade": lambda: Engine(EngineConfig(**common, cascade_attention="off")),
         "engine_int8": lambda: Engine(EngineConfig(**common, quantization="int8")),
     }
     systems = args.systems.split(",")

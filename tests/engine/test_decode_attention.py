@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.engine.helpers import Run, drain, reference_greedy
 from worker.engine import Engine, EngineConfig, SamplingParams
-from worker.engine.config import EnginePlan, ModelShape
+from worker.engine.config import EnginePlan, ModelShape, pick_cascade
 from worker.engine.decode_attention import (
     attend_decode,
     attend_group,
@@ -128,9 +128,10 @@ def test_engine_with_a_shared_system_prompt_matches_generate(tiny_model: Path) -
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 20)) for _ in prompts]
     reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     expected = [reference_greedy(reference, p, sp) for p, sp in zip(prompts, params, strict=True)]
-    for cascade in (True, False):
+    for cascade in ("on", "off"):
         engine = Engine(EngineConfig(model=str(tiny_model), block_size=8, num_kv_blocks=64, max_num_seqs=8,
                                      dtype="float32", cascade_attention=cascade))
+        assert engine.runner.cascade_attention is (cascade == "on")
         engine.add_request("warm", prompts[0], params[0])  # caches the system prompt's blocks first
         run = Run()
         run.record(engine.step())
@@ -139,6 +140,22 @@ def test_engine_with_a_shared_system_prompt_matches_generate(tiny_model: Path) -
         drain(engine, run)
         assert engine.stats().prefix_cache_hits >= 5 * (len(system) // 8)
         assert [run.token_ids[f"r{i}"] for i in range(len(prompts))] == expected, f"cascade={cascade}"
+
+
+def test_auto_cascades_only_where_decode_attention_gathers(tiny_llama: Path) -> None:
+    """Beside the kernel, which reads blocks in place, a cascade group would gather them (slower, measured)."""
+    auto = EngineConfig()
+    assert pick_cascade(auto, "sdpa") and not pick_cascade(auto, "kernel") and not pick_cascade(auto, "flex")
+    assert pick_cascade(EngineConfig(cascade_attention="on"), "kernel")
+    assert not pick_cascade(EngineConfig(cascade_attention="off"), "sdpa")
+    with pytest.raises(ValueError, match="cascade_attention"):
+        EngineConfig(cascade_attention="yes")
+    small = dict(model=str(tiny_llama), block_size=8, num_kv_blocks=16, max_num_seqs=2)
+    exact = Engine(EngineConfig(**small, dtype="float32")).runner  # transformers' forward: sdpa
+    assert (exact.attention_backend, exact.cascade_attention) == ("sdpa", True)
+    if load_decode_kernel() is None:
+        own = Engine(EngineConfig(**small, dtype="float32", quantization="int8")).runner  # the own decoder: kernel
+        assert (own.attention_backend, own.cascade_attention) == ("kernel", False)
 
 
 @pytest.mark.parametrize("table", [[2, 3], [5, 3]])

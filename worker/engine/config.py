@@ -26,6 +26,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "kernel", "flex")
 FLEX_CPU_BLOCK_MULTIPLE = 16  # KV block sizes inductor's CPU flex kernel got right everywhere it was tried
 CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 COMPILE_POINTWISE_MODES = ("auto", "off", "on")
+CASCADE_MODES = ("auto", "off", "on")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
 # tiles always do. AVX512-BF16 without AMX depends on the CPU, so it is measured (``bf16_matmul_speedup``): on an
 # AMD EPYC (Zen 4) SmolLM2 decode steps at 32 rows ran 2.3x faster in bf16, on a Xeon model 207 without AMX 7-13%
@@ -84,8 +85,10 @@ class EngineConfig:
     equal to its ``generate``); every other setting, a float32 the CPU picked included, runs the engine's fused
     decoder (``decoder.py``) where the architecture allows (``plan_compute``).
     ``enable_prefix_caching``: reuse the K/V of full blocks whose token prefix was computed before (on by default).
-    ``cascade_attention``: decode queries attend to the block-table prefix the whole batch shares (a system prompt
-    found by prefix caching) once, in one matmul, instead of once per sequence (exact; docs/performance.md).
+    ``cascade_attention``: decode queries attend to the block-table prefix they share (a system prompt found by
+    prefix caching) once, in one matmul, instead of once per sequence (exact; docs/performance.md): ``"on"``,
+    ``"off"`` or ``"auto"``: on where decode attention gathers K/V (the sdpa backend), off where the C++ kernel
+    reads the blocks in place (a cascade group gathers what the kernel would not; ``pick_cascade``).
     ``num_threads``: torch intra-op threads, set (process-wide) when the engine is built; None leaves torch's
     setting alone (its default is the physical cores). Use at most the cores this process really has to itself:
     oversubscribed cores make torch's threads spin at barriers (docs/performance.md).
@@ -127,7 +130,7 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None
     enable_prefix_caching: bool = True
-    cascade_attention: bool = True
+    cascade_attention: str = "auto"
     speculative_method: str | None = None
     draft_model: str | None = None
     num_speculative_tokens: int = 4
@@ -178,6 +181,8 @@ class EngineConfig:
                self.cuda_graphs)
         _check(self.compile_pointwise in COMPILE_POINTWISE_MODES, "compile_pointwise", "'auto', 'off' or 'on'",
                self.compile_pointwise)
+        _check(self.cascade_attention in CASCADE_MODES, "cascade_attention", "'auto', 'off' or 'on'",
+               self.cascade_attention)
 
 
 @dataclass(frozen=True)
@@ -250,6 +255,16 @@ def pick_cuda_graphs(config: EngineConfig, device: torch.device, backend: str, o
     _check(config.cuda_graphs != "on" or device.type == "cuda", "cuda_graphs", "'on' only on a CUDA device",
            config.cuda_graphs)
     return config.cuda_graphs
+
+
+def pick_cascade(config: EngineConfig, backend: str) -> bool:
+    """Whether decode queries sharing prefix blocks form cascade groups. ``"auto"``: only where plain decode
+    attention gathers K/V (sdpa). Beside the kernel, which reads blocks in place, a cascade group gathers its
+    shared blocks and its members' own: SmolLM2's shared-prefix workload ran 0.66-0.75x as fast with cascade as
+    without on the kernel, and 1.33-1.34x as fast on sdpa (EPYC Zen 4, docs/performance.md)."""
+    if config.cascade_attention == "auto":
+        return backend == "sdpa"
+    return config.cascade_attention == "on"
 
 
 def pick_compile_pointwise(config: EngineConfig, device: torch.device) -> bool:

@@ -19,7 +19,8 @@ log-sum-exp; the per-sequence part is short there, so the explicit version costs
 
 With the C++ operator (``decode_kernel.py``, the ``"kernel"`` backend) nothing is gathered for plain queries: they
 form one group whatever their lengths, attended in one call per layer that reads each sequence's blocks where
-they lie (``DecodeGroup.context_lens`` set). Cascade groups keep their gathered path.
+they lie (``DecodeGroup.context_lens`` set). Cascade groups keep their gathered path, which costs more than it saves
+there, so by default the engine forms none beside the operator (``config.pick_cascade``).
 """
 
 from __future__ import annotations

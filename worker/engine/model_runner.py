@@ -31,6 +31,7 @@ from worker.engine.config import (
     ModelShape,
     make_plan,
     pick_attention_backend,
+    pick_cascade,
     pick_compile_pointwise,
     pick_cuda_graphs,
     pick_device,
@@ -140,7 +141,7 @@ class ModelRunner:
         self.cuda_graphs = pick_cuda_graphs(config, device, self.attention_backend, self.compute.own_decoder)
         self.kv_cache = KVCache(self.shape, self.plan, scratch_block=self.cuda_graphs != "off",
                                 fused_write=self.decoder is not None and self.decoder.fused)
-        self.cascade_attention = config.cascade_attention
+        self.cascade_attention = pick_cascade(config, self.attention_backend)
         self.flex: FlexStep | None = None  # the flex backend's kernel, with no calls: each step adds its own
         if self.attention_backend == "flex":
             self.flex = FlexStep((), make_flex_fn(compile_kernel=True), kernel_options(device, self.plan.block_size))
