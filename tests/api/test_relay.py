@@ -9,9 +9,11 @@ test_stack_restarts: a stream ended with an error event while Redis restarted, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import pytest
 from redis.asyncio import Redis
@@ -45,9 +47,37 @@ async def _publish(queue: JobQueue, job_id: str, fence: int, seqs: range) -> Non
     assert (await queue.publish_many([(job_id, fence, events)]))[0]
 
 
-async def _read(relay: JobRelay, into: list[StreamEvent]) -> None:
-    async for event in relay.events():
-        into.append(event)
+@dataclass
+class Reading:
+    """A running job's stream, read by a task into ``seen``."""
+
+    job_id: str
+    fence: int
+    relay: JobRelay
+    seen: list[StreamEvent]
+    reader: asyncio.Task[None]
+
+
+@contextlib.asynccontextmanager
+async def _reading(queue: JobQueue, num_events: int) -> AsyncIterator[Reading]:
+    """A claimed job with ``num_events`` events published, its relay's reader past them."""
+    job_id, fence = await _running_job(queue)
+    await _publish(queue, job_id, fence, range(1, num_events + 1))
+    relay = JobRelay(queue, job_id)
+    await relay.start()
+    seen: list[StreamEvent] = []
+
+    async def read() -> None:
+        async for event in relay.events():
+            seen.append(event)
+
+    reader = asyncio.create_task(read())
+    try:
+        await _until(lambda: len(seen) == num_events, "first events")
+        yield Reading(job_id, fence, relay, seen, reader)
+    finally:
+        reader.cancel()
+        await relay.close()
 
 
 async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -59,15 +89,8 @@ async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 10
 
 async def test_a_redis_error_reopens_the_stream_after_the_last_event(queue: JobQueue,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    job_id, fence = await _running_job(queue)
-    log_key = queue.keyspace.job_log(job_id)
-    await _publish(queue, job_id, fence, range(1, 4))
-    relay = JobRelay(queue, job_id)
-    await relay.start()
-    seen: list[StreamEvent] = []
-    reader = asyncio.create_task(_read(relay, seen))
-    try:
-        await _until(lambda: len(seen) == 3, "the first events")
+    async with _reading(queue, 3) as run:
+        log_key = queue.keyspace.job_log(run.job_id)
         # The log becomes a string: the reader's next read of it (a quiet poll) fails with WRONGTYPE, and so
         # does every reopened stream's first read, until the log is back.
         with caplog.at_level(logging.WARNING, logger="api.relay"):
@@ -77,31 +100,18 @@ async def test_a_redis_error_reopens_the_stream_after_the_last_event(queue: JobQ
                          "two reopenings")
         await queue.redis.delete(log_key)
         await queue.redis.rename(f"{log_key}:aside", log_key)
-        await _publish(queue, job_id, fence, range(4, 7))
+        await _publish(queue, run.job_id, run.fence, range(4, 7))
         result = JobResult(choices=[Choice(index=0, text="", finish_reason="length")], usage=Usage())
-        assert await queue.complete(job_id, fence, result)
-        await asyncio.wait_for(reader, 10)
-    finally:
-        reader.cancel()
-        await relay.close()
-    assert [event.seq for event in seen] == list(range(1, 8))  # each once, the done event last
-    assert isinstance(seen[-1], DoneEvent) and relay.finished
+        assert await queue.complete(run.job_id, run.fence, result)
+        await asyncio.wait_for(run.reader, 10)
+    assert [event.seq for event in run.seen] == list(range(1, 8))  # each once, the done event last
+    assert isinstance(run.seen[-1], DoneEvent) and run.relay.finished
 
 
 async def test_a_failure_that_is_not_redis_ends_the_stream_at_once(queue: JobQueue) -> None:
-    job_id, fence = await _running_job(queue)
-    await _publish(queue, job_id, fence, range(1, 3))
-    relay = JobRelay(queue, job_id)
-    await relay.start()
-    seen: list[StreamEvent] = []
-    reader = asyncio.create_task(_read(relay, seen))
-    try:
-        await _until(lambda: len(seen) == 2, "first events")
+    async with _reading(queue, 2) as run:
         # A foreign producer's entry that is not an event's JSON: read at the next quiet poll, never retried.
-        await queue.redis.xadd(queue.keyspace.job_log(job_id), {"data": "not json"}, id="3-0")
+        await queue.redis.xadd(queue.keyspace.job_log(run.job_id), {"data": "not json"}, id="3-0")
         with pytest.raises(ValueError):
-            await asyncio.wait_for(reader, 10)
-    finally:
-        reader.cancel()
-        await relay.close()
-    assert [event.seq for event in seen] == [1, 2]
+            await asyncio.wait_for(run.reader, 10)
+    assert [event.seq for event in run.seen] == [1, 2]
