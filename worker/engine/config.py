@@ -7,6 +7,7 @@ so the config always reads as what was requested.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES, dense_linear, keeps_half, prepack
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB  # CPU memory is shared with everything else: a modest fixed budget
@@ -286,9 +289,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def bf16_matmul_speedup(rows: int = 32, reps: int = 3) -> float:
+def bf16_matmul_speedup(rows: int = 32, reps: int = 20) -> float:
     """How many times faster a ``[rows, 576] x [576, 1536]`` matmul runs in bf16 than in float32 on this CPU, with
-    the process's torch threads: the best of ``reps`` timings each, alternating (a few milliseconds)."""
+    the process's torch threads: the best of ``reps`` timings each, alternating (~0.1 s). Best of 3 was too few on
+    a busy machine: on an EPYC Zen 4 beside a spinning and a bursty process it read 1.66-3.45 (best of 20:
+    2.35-2.97), and an engine built while llama-server started once read under ``BF16_MIN_SPEEDUP`` and ran float32
+    (docs/performance.md, twenty-second session)."""
     best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
     pairs = {dtype: (torch.randn(rows, 576).to(dtype), prepack(torch.randn(1536, 576).to(dtype))) for dtype in best}
     for rep in range(reps + 1):
@@ -304,7 +310,12 @@ def fast_bf16_cpu(flags: frozenset[str], measure: Callable[[], float] = bf16_mat
     """Whether dense bf16 matmuls beat float32 ones here: yes with AMX, measured with AVX512-BF16 alone, else no."""
     if FAST_BF16_CPU_FLAGS & flags:
         return True
-    return bool(MEASURED_BF16_CPU_FLAGS & flags) and measure() >= BF16_MIN_SPEEDUP
+    if not MEASURED_BF16_CPU_FLAGS & flags:
+        return False
+    speedup = measure()
+    log.info("bf16 matmuls ran %.2fx float32's here (bf16 from %.1fx; a dtype setting pins it)", speedup,
+             BF16_MIN_SPEEDUP)
+    return speedup >= BF16_MIN_SPEEDUP
 
 
 def pick_dtype(config: EngineConfig, device: torch.device, flags: frozenset[str] | None = None,
