@@ -28,7 +28,8 @@ _END = object()
 CLOSE_TIMEOUT_S = 1.0
 # A relay whose stream fails with a Redis error its reader did not ride out (shared/job_stream.py retries the usual
 # connection errors itself) reopens the stream after the last event it relayed, pausing RESUME_PAUSE_S before each
-# try, until RESUME_S pass without an event; then the error goes to the caller. Other errors go at once.
+# try, until RESUME_S (a relay's ``resume_s``) pass without an event; then the error goes to the caller. Other
+# errors go at once.
 RESUME_S = 30.0
 RESUME_PAUSE_S = 0.25
 REDIS_FAILURES = (RedisError, OSError)
@@ -53,8 +54,9 @@ class JobRelay:
     """
 
     def __init__(self, queue: JobQueue, job_id: str, *, submission: JobSubmission | None = None,
-                 after_seq: int = 0) -> None:
+                 after_seq: int = 0, resume_s: float = RESUME_S) -> None:
         self._queue = queue
+        self._resume_s = resume_s
         self.job_id = job_id
         self._submission = submission
         self._after_seq = after_seq  # where the stream opens: the request's, then the last event relayed
@@ -104,38 +106,38 @@ class JobRelay:
     async def events(self) -> AsyncIterator[StreamEvent]:
         """The job's events in ``seq`` order, ending after its DoneEvent or ErrorEvent; through a Redis failure
         the stream is reopened after the last event (each seq still comes once)."""
-        failing_since: float | None = None
+        give_up: float | None = None  # while failing: when the last event is ``resume_s`` old
         while True:
             item = await self._events.get()
             if item is _END:
                 return
             if isinstance(item, _Failure):
-                failing_since = failing_since if failing_since is not None else time.monotonic()
-                await self._reopen(item.exc, failing_since)
+                give_up = give_up if give_up is not None else time.monotonic() + self._resume_s
+                await self._reopen(item.exc, give_up)
                 continue
-            failing_since = None
+            give_up = None
             self._room.release()
             self._after_seq = item.seq
             if isinstance(item, DoneEvent | ErrorEvent):
                 self.finished = True
             yield item
 
-    async def _reopen(self, exc: BaseException, failing_since: float) -> None:
-        """Open the stream again after the last event relayed (never submitting again); raises ``exc`` when it is
-        not a Redis failure or the stream has failed for ``RESUME_S``. A failed reopen queues its own failure."""
-        if not isinstance(exc, REDIS_FAILURES) or time.monotonic() - failing_since >= RESUME_S:
-            raise exc
-        log.warning("stream of job %s failed (%r); reopening it after event %d", self.job_id, exc, self._after_seq,
-                    extra={"job_id": self.job_id})
-        await self.close()
-        await asyncio.sleep(RESUME_PAUSE_S)
-        self._submission = None
-        self._events, self._room = asyncio.Queue(), asyncio.Semaphore(RELAY_BUFFER)
-        try:
-            await self.start()
-        except REDIS_FAILURES as failure:
-            self._events = asyncio.Queue()  # holds the failed task's end marker: drop it
-            self._events.put_nowait(_Failure(failure))
+    async def _reopen(self, exc: BaseException, give_up: float) -> None:
+        """Open the stream again after the last event relayed (never submitting again), trying until ``give_up``;
+        raises the failure when it is not Redis's or the time is up."""
+        while isinstance(exc, REDIS_FAILURES) and time.monotonic() < give_up:
+            log.warning("stream of job %s failed (%r); reopening it after event %d", self.job_id, exc,
+                        self._after_seq, extra={"job_id": self.job_id})
+            await self.close()
+            await asyncio.sleep(RESUME_PAUSE_S)
+            self._submission = None
+            self._events, self._room = asyncio.Queue(), asyncio.Semaphore(RELAY_BUFFER)
+            try:
+                await self.start()
+                return
+            except REDIS_FAILURES as failure:
+                exc = failure
+        raise exc
 
     async def final(self) -> DoneEvent | ErrorEvent | None:
         """Wait for the job's terminal event, ignoring the tokens (the non-streaming path)."""

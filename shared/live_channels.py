@@ -154,9 +154,9 @@ class LiveChannels:
             try:
                 await pubsub.ssubscribe(channel)
                 return
-            except BROKEN_CONNECTION_ERRORS as exc:
-                if not connected:  # a first connection that failed: Redis is down, say so now, as a Redis error
-                    raise RedisConnectionError(f"SSUBSCRIBE {channel} failed: {exc!r}") from exc
+            except BROKEN_CONNECTION_ERRORS:
+                if not connected:  # a first connection that failed: Redis is down, say so now
+                    raise
         self._wanted.set()  # an idle listener wakes, finds the connection dropped and reconnects
 
     def _forget(self, channel: str, state: _Channel) -> None:

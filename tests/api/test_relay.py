@@ -18,7 +18,10 @@ from dataclasses import dataclass
 import pytest
 from redis.asyncio import Redis
 
+from api.metrics import ApiMetrics
 from api.relay import JobRelay
+from api.routes.jobs import _job_event_stream
+from api.sse import STREAM_LOST
 from shared.config import Settings
 from shared.queue import JobQueue
 from shared.schemas import Choice, DoneEvent, JobResult, JobSubmission, StreamEvent, TokenEvent, Usage
@@ -115,3 +118,25 @@ async def test_a_failure_that_is_not_redis_ends_the_stream_at_once(queue: JobQue
         with pytest.raises(ValueError):
             await asyncio.wait_for(run.reader, 10)
     assert [event.seq for event in run.seen] == [1, 2]
+
+
+@pytest.mark.parametrize("break_log", ["wrong type for good", "not json"])
+async def test_job_events_end_without_a_final_event_only_when_redis_stays_away(queue: JobQueue,
+                                                                                 break_log: str) -> None:
+    """``/v1/jobs/{id}/events``: a Redis error past the relay's reopening ends the stream with a comment (the client
+    resumes, the job goes on); any other failure ends it with ``event: error``."""
+    job_id, fence = await _running_job(queue)
+    await _publish(queue, job_id, fence, range(1, 3))
+    log_key = queue.keyspace.job_log(job_id)
+    if break_log == "not json":
+        await queue.redis.xadd(log_key, {"data": "not json"}, id="3-0")
+    else:
+        await queue.redis.delete(log_key)
+        await queue.redis.set(log_key, "not a stream")
+    relay = JobRelay(queue, job_id, after_seq=2, resume_s=0.6)
+    await relay.start()
+    body = b"".join([chunk async for chunk in _job_event_stream(relay, ApiMetrics())])
+    if break_log == "not json":
+        assert body.startswith(b"event: error\n") and STREAM_LOST not in body
+    else:
+        assert body == STREAM_LOST
