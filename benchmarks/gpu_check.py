@@ -132,18 +132,38 @@ def graph_replay_ms(engine, batch: int, repeats: int = 50) -> float | None:
 
 def decode_vs_bandwidth(engine, hf, batches: list[int], bandwidth_tbs: float, peak_tflops: float) -> list[dict]:
     """Steady-state decode step time per batch size, and its multiple of the time to read the weights once; where
-    the step ran from a CUDA graph, also the graph's replay alone (the rest of a step is host work)."""
+    the step ran from a CUDA graph, also the graph's replay alone (the rest of a step is host work). With async
+    scheduling, the same steps are also timed in turn (``in_turn_step_ms``), the two ways alternating twice and
+    the best of each kept, so that neither pays alone for a first use (a compile, a capture)."""
     bound = parameter_bytes(hf) / (bandwidth_tbs * 1e12)
+    overlapped = engine.runner.async_scheduling
     rows = []
     for batch in batches:
-        e = decode_step_efficiency(engine, hf.config, batch, rate_gflops=peak_tflops * 1e3, steps=16,
-                                   warmup_steps=DECODE_WARMUP_STEPS)
+        e, in_turn_ms = decode_timings(engine, hf, batch, peak_tflops) if overlapped else (
+            decode_step_efficiency(engine, hf.config, batch, rate_gflops=peak_tflops * 1e3, steps=16,
+                                   warmup_steps=DECODE_WARMUP_STEPS), None)
         replay = graph_replay_ms(engine, batch)
         rows.append({"batch": batch, "step_ms": e["step_seconds"] * 1e3, "bound_ms": bound * 1e3,
                      "x_bound": e["step_seconds"] / bound, "tokens_per_s": batch / e["step_seconds"],
                      "fraction_of_peak": e["fraction_of_matmul"], "replay_ms": replay,
-                     "replay_x_bound": replay and replay / (bound * 1e3)})
+                     "replay_x_bound": replay and replay / (bound * 1e3), "async_scheduling": overlapped,
+                     "in_turn_step_ms": in_turn_ms})
     return rows
+
+
+def decode_timings(engine, hf, batch: int, peak_tflops: float) -> tuple[dict, float]:
+    """The best of two overlapped measurements (``decode_step_efficiency``'s result) and of two in turn (ms),
+    alternating in turn first; the engine overlaps again afterwards."""
+    readings: dict[bool, list[dict]] = {False: [], True: []}
+    try:
+        for overlap in (False, True, False, True):
+            engine.runner.async_scheduling = overlap
+            readings[overlap].append(decode_step_efficiency(engine, hf.config, batch, rate_gflops=peak_tflops * 1e3,
+                                                            steps=16, warmup_steps=DECODE_WARMUP_STEPS))
+    finally:
+        engine.runner.async_scheduling = True
+    best = {mode: min(found, key=lambda e: e["step_seconds"]) for mode, found in readings.items()}
+    return best[True], best[False]["step_seconds"] * 1e3
 
 
 def profile_decode(engine, hf, batch: int, steps: int = 8) -> dict:
@@ -228,11 +248,14 @@ def engine_configurations(args: argparse.Namespace) -> list[dict[str, str]]:
     """The engine settings to try in order: the asked-for ones, then with ``--fallback`` the same without compiled
     pointwise steps, then also without graphs, then the plain path (sdpa, no graphs, torch ops)."""
     asked = {"attention_backend": args.attention, "cuda_graphs": args.cuda_graphs,
-             "compile_pointwise": args.compile_pointwise}
+             "compile_pointwise": args.compile_pointwise, "async_scheduling": args.async_scheduling}
     tried = [asked]
     if args.fallback:
-        tried += [{**asked, "compile_pointwise": "off"}, {**asked, "cuda_graphs": "off", "compile_pointwise": "off"},
-                  {"attention_backend": "sdpa", "cuda_graphs": "off", "compile_pointwise": "off"}]
+        tried += [{**asked, "compile_pointwise": "off"},
+                  {**asked, "compile_pointwise": "off", "async_scheduling": "off"},
+                  {**asked, "cuda_graphs": "off", "compile_pointwise": "off", "async_scheduling": "off"},
+                  {"attention_backend": "sdpa", "cuda_graphs": "off", "compile_pointwise": "off",
+                   "async_scheduling": "off"}]
     return [dict(t) for t in dict.fromkeys(tuple(t.items()) for t in tried)]
 
 
@@ -273,7 +296,8 @@ def check_shape(name: str, args: argparse.Namespace, result: dict, save: Callabl
         return
     decoder = engine.runner.decoder
     result.update({"attention_backend": engine.runner.attention_backend, "cuda_graphs": engine.runner.cuda_graphs,
-                   "pointwise": decoder.ops.kind if decoder is not None else "transformers"})
+                   "pointwise": decoder.ops.kind if decoder is not None else "transformers",
+                   "async_scheduling": engine.runner.async_scheduling})
     checks = (
         ("parity", check_parity, (engine, hf, shape.vocab_size, 4, 16 if tiny else 32)),
         ("decode", decode_vs_bandwidth, (engine, hf, args.batches, args.bandwidth_tbs, args.peak_tflops)),
@@ -332,6 +356,7 @@ def decode_cells(section: object, batches: list[int]) -> str:
     if why is not None or not isinstance(section, list):
         return " | ".join([f"{why}"] * len(batches))
     return " | ".join(f"{d['step_ms']:.2f} ({d['x_bound']:.1f}x)"
+                      + (f"; in turn {d['in_turn_step_ms']:.2f}" if d.get("in_turn_step_ms") else "")
                       + (f"; graph {d['replay_ms']:.2f} ({d['replay_x_bound']:.1f}x)" if d.get("replay_ms") else "")
                       for d in section)
 
@@ -365,7 +390,8 @@ def render_table(report: dict) -> str:
              + (f" (measured in this run: {hardware['copy_tbs']:.2f} TB/s, {hardware['bf16_tflops']:.0f} TFLOP/s)"
                 if hardware else ""),
              "engine: " + "; ".join(f"{n}: attention {s.get('attention_backend')}, cuda graphs {s.get('cuda_graphs')}"
-                                    f", pointwise {s.get('pointwise')}" for n, s in report["shapes"].items()), "",
+                                    f", pointwise {s.get('pointwise')}, async scheduling {s.get('async_scheduling')}"
+                                    for n, s in report["shapes"].items()), "",
              "| shape | parity | " + " | ".join(f"decode b{b} ms (x bound)" for b in report["batches"])
              + f" | prefill tok/s (of peak) | {report['concurrent']} concurrent: engine / transformers CB tok/s |",
              "|---|---|" + "---:|" * (len(report["batches"]) + 2)]
@@ -415,6 +441,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="EngineConfig.cuda_graphs (auto: on with CUDA, flex and the own decoder)")
     parser.add_argument("--compile-pointwise", default="auto", choices=("auto", "off", "on"),
                         help="EngineConfig.compile_pointwise (auto: inductor-compiled norms, RoPE, SiLU on CUDA)")
+    parser.add_argument("--async-scheduling", default="auto", choices=("auto", "off", "on"),
+                        help="EngineConfig.async_scheduling (auto: on where CUDA graphs replay); where on, the decode "
+                        "check also times the same steps in turn")
     parser.add_argument("--bandwidth-tbs", type=float, default=H200_BANDWIDTH_TBS)
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/gpu_check.json or "

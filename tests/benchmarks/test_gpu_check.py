@@ -133,8 +133,10 @@ def test_an_engine_that_fails_to_load_falls_back_to_the_plain_path(tmp_path: Pat
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     shape = report["shapes"]["smollm2-tiny"]
-    tried = [(e["attention_backend"], e["cuda_graphs"], e["compile_pointwise"]) for e in shape["engine_errors"]]
-    assert tried == [("sdpa", "on", "auto"), ("sdpa", "on", "off")]  # then without graphs: sdpa/off/off loads
+    tried = [(e["attention_backend"], e["cuda_graphs"], e["compile_pointwise"], e["async_scheduling"])
+             for e in shape["engine_errors"]]
+    # then without graphs: sdpa/off/off/off loads
+    assert tried == [("sdpa", "on", "auto", "auto"), ("sdpa", "on", "off", "auto"), ("sdpa", "on", "off", "off")]
     assert all("cuda_graphs" in e["error"] for e in shape["engine_errors"])
     assert (shape["attention_backend"], shape["cuda_graphs"], shape["pointwise"]) == ("sdpa", "off", "transformers")
     assert shape["parity"]["ok"] and shape["decode"][0]["replay_ms"] is None  # no graph on CPU
@@ -180,10 +182,14 @@ def test_tiny_cpu_run_covers_every_check(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 def test_tiny_cpu_run_on_the_flex_backend(tmp_path: Path) -> None:
-    """The CUDA configuration's attention on CPU (compiled by inductor): parity still token for token in fp32."""
+    """The CUDA configuration on CPU: flex attention (compiled by inductor), the static padded decode step and async
+    scheduling, whose decode steps are also timed in turn; parity still token for token in fp32."""
     out = tmp_path / "gpu_check.json"
     assert main(["--device", "cpu", "--tiny", "--shapes", "smollm2-tiny", "--batches", "1,4", "--concurrent", "4",
-                 "--attention", "flex", "--out", str(out)]) == 0
-    shape = json.loads(out.read_text())["shapes"]["smollm2-tiny"]
-    assert (shape["attention_backend"], shape["cuda_graphs"]) == ("flex", "off")  # fp32: transformers' forward
+                 "--attention", "flex", "--cuda-graphs", "padded", "--async-scheduling", "on", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    shape = report["shapes"]["smollm2-tiny"]
+    assert (shape["attention_backend"], shape["cuda_graphs"], shape["async_scheduling"]) == ("flex", "padded", True)
     assert shape["parity"]["agreement"] == 1.0 and shape["concurrent"]["engine_tps"] > 0
+    assert all(d["async_scheduling"] and d["in_turn_step_ms"] > 0 for d in shape["decode"])
+    assert "async scheduling True" in render_table(report) and "; in turn " in render_table(report)

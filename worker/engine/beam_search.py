@@ -22,6 +22,7 @@ import torch
 
 from worker.engine.beam import BeamSearchState, BeamStep, Hypothesis
 from worker.engine.block_pool import BlockPool
+from worker.engine.draw import NOT_FINITE
 from worker.engine.outputs import StepOutput
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import ScheduledChunk, Scheduler
@@ -128,7 +129,7 @@ class BeamSearch:
         rows = torch.stack([group.pending[b.request_id] for b in group.live])  # [L, V]
         group.pending.clear()
         if not bool(torch.isfinite(rows.amax(dim=-1)).all()):
-            return self._fail(group, "the model's logits for this request are not finite (NaN or inf)")
+            return self._fail(group, NOT_FINITE)
         try:
             step = group.state.advance(rows, [b.output_token_ids for b in group.live], [b.logprobs for b in group.live])
         except Exception as exc:  # this group's fault alone: the rest of the batch goes on

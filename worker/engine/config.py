@@ -30,6 +30,7 @@ FLEX_CPU_BLOCK_MULTIPLE = 16  # KV block sizes inductor's CPU flex kernel got ri
 CUDA_GRAPH_MODES = ("auto", "off", "on", "padded")
 COMPILE_POINTWISE_MODES = ("auto", "off", "on")
 CASCADE_MODES = ("auto", "off", "on")
+ASYNC_SCHEDULING_MODES = ("auto", "off", "on")
 # CPU flags (Linux /proc/cpuinfo names) of the units that make dense bf16 matmuls faster than float32 ones: AMX
 # tiles always do. AVX512-BF16 without AMX depends on the CPU, so it is measured (``bf16_matmul_speedup``): on an
 # AMD EPYC (Zen 4) SmolLM2 decode steps at 32 rows ran 2.3x faster in bf16, on a Xeon model 207 without AMX 7-13%
@@ -121,6 +122,12 @@ class EngineConfig:
     ``compile_pointwise``: the own decoder's norms, RoPE and SiLU-and-multiply as inductor-compiled kernels
     (``pointwise.py``) where tokenspool's C++ operators do not run them: ``"on"``, ``"off"`` (torch ops) or
     ``"auto"``: on CUDA.
+    ``async_scheduling``: schedule and launch the next decode step while the device still runs this one, its ids
+    taken from this step's drawn tokens on the device, and read this step's tokens back (detokenise, check stops)
+    behind it (``overlap.py``); requests with grammars, penalties, logprobs or speculation step one at a time.
+    ``"on"`` (where decode steps run from the static buffers: ``cuda_graphs`` on or padded), ``"off"`` or
+    ``"auto"``: on where CUDA graphs replay. On a CPU nothing overlaps (each step's work is the host's), so there it
+    only delays every token's delivery by a step; ``"on"`` with ``cuda_graphs="padded"`` is for tests.
     """
 
     model: str = "smollm2"
@@ -146,6 +153,7 @@ class EngineConfig:
     cuda_graphs: str = "auto"
     kv_cache_dtype: str | None = None
     compile_pointwise: str = "auto"
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", "a model name or path", self.model)
@@ -186,6 +194,11 @@ class EngineConfig:
                self.compile_pointwise)
         _check(self.cascade_attention in CASCADE_MODES, "cascade_attention", "'auto', 'off' or 'on'",
                self.cascade_attention)
+        _check(self.async_scheduling in ASYNC_SCHEDULING_MODES, "async_scheduling", "'auto', 'off' or 'on'",
+               self.async_scheduling)
+        _check(self.async_scheduling != "on" or self.cuda_graphs in ("auto", "on", "padded"), "async_scheduling",
+               "'auto' or 'off' when cuda_graphs is 'off' (it overlaps steps of the static decode path)",
+               self.async_scheduling)
 
 
 @dataclass(frozen=True)
@@ -258,6 +271,17 @@ def pick_cuda_graphs(config: EngineConfig, device: torch.device, backend: str, o
     _check(config.cuda_graphs != "on" or device.type == "cuda", "cuda_graphs", "'on' only on a CUDA device",
            config.cuda_graphs)
     return config.cuda_graphs
+
+
+def pick_async_scheduling(config: EngineConfig, cuda_graphs: str) -> bool:
+    """Whether decode steps overlap (``overlap.py``), given the resolved ``cuda_graphs`` mode: ``"auto"`` where
+    graphs replay; ``"on"`` wherever the static decode path runs."""
+    if config.async_scheduling == "auto":
+        return cuda_graphs == "on"
+    _check(config.async_scheduling != "on" or cuda_graphs != "off", "async_scheduling",
+           "'on' only where decode steps run from the static buffers (cuda_graphs resolved 'on' or 'padded')",
+           config.async_scheduling)
+    return config.async_scheduling == "on"
 
 
 def pick_cascade(config: EngineConfig, backend: str) -> bool:

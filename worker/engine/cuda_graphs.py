@@ -33,6 +33,7 @@ from worker.engine.flex_attention import (
     write_flex_index,
 )
 from worker.engine.kv_cache import KVCache
+from worker.engine.request import PENDING_TOKEN
 from worker.engine.scheduler import ScheduledChunk
 from worker.engine.staging import Staging
 
@@ -57,6 +58,15 @@ def pick_bucket(num_seqs: int, buckets: Sequence[int]) -> int | None:
 def is_plain_decode(chunks: Sequence[ScheduledChunk]) -> bool:
     """Whether every chunk adds exactly one token and needs its logits (no prefill, no speculative tokens)."""
     return bool(chunks) and all(len(c.token_ids) == 1 and c.needs_logits and not c.num_spec_tokens for c in chunks)
+
+
+@dataclass(frozen=True, eq=False)
+class FedTokens:
+    """Input ids that never leave the device (``overlap.py``): the previous step's drawn tokens ``drawn`` [B'], and
+    for each chunk of this step the row of its id there, or -1 where the chunk carries its own id."""
+
+    drawn: torch.Tensor  # [B'] long
+    rows: tuple[int, ...]  # [len(chunks)]
 
 
 @dataclass(frozen=True)
@@ -110,12 +120,13 @@ class DecodeGraphs:
     def can_run(self, chunks: Sequence[ScheduledChunk]) -> bool:
         return is_plain_decode(chunks) and len(chunks) <= self.buckets[-1]
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Logits ``[len(chunks), V]`` of a decode-only step (``can_run``); float32 when replayed."""
+    def run(self, chunks: Sequence[ScheduledChunk], fed: FedTokens | None = None) -> torch.Tensor:
+        """Logits ``[len(chunks), V]`` of a decode-only step (``can_run``); float32 when replayed. ``fed``: ids
+        that the previous step drew on the device, for the chunks whose id is still pending."""
         bucket = pick_bucket(len(chunks), self.buckets)
         assert bucket is not None and is_plain_decode(chunks), "not a step DecodeGraphs can run"
         static = self._static[bucket]
-        self._fill(static, chunks)
+        self._fill(static, chunks, fed)
         self.num_steps += 1
         if not self.capture:
             return self._forward(static)[:len(chunks)]
@@ -132,15 +143,20 @@ class DecodeGraphs:
         entry = self._graphs.get(bucket)
         return entry[0] if entry is not None else None
 
-    def _fill(self, static: StaticDecode, chunks: Sequence[ScheduledChunk]) -> None:
+    def _fill(self, static: StaticDecode, chunks: Sequence[ScheduledChunk], fed: FedTokens | None = None) -> None:
         """Write the step into the bucket's buffers, from one host-to-device copy; rows past ``len(chunks)``
-        become padding. The index tensors are shared by every bucket: the last step's entries are cleared first."""
+        become padding. The index tensors are shared by every bucket: the last step's entries are cleared first.
+        A pending id (``PENDING_TOKEN``) is gathered from ``fed`` on the device."""
         pad = static.input_ids.shape[0] - len(chunks)
         block_size, scratch = self.kv_cache.block_size, self.kv_cache.scratch_slot
         assert scratch is not None, "checked in __init__"
+        rows = fed.rows if fed is not None else (-1,) * len(chunks)
+        assert all((c.token_ids[0] == PENDING_TOKEN) == (row >= 0) for c, row in zip(chunks, rows, strict=True)), \
+            "each pending id, and only those, comes from the fed tokens"
         positions = [c.start_position for c in chunks]
         stage = Staging()
-        ids = stage.add([*(c.token_ids[0] for c in chunks), *[0] * pad])
+        ids = stage.add([*(max(c.token_ids[0], 0) for c in chunks), *[0] * pad])
+        fed_rows = stage.add([*rows, *[-1] * pad]) if fed is not None else None
         starts = stage.add([*positions, *[0] * pad])
         slots = stage.add([*(c.block_ids[p // block_size] * block_size + p % block_size
                              for c, p in zip(chunks, positions, strict=True)), *[scratch] * pad])
@@ -148,6 +164,9 @@ class DecodeGraphs:
                                   [p + 1 for p in positions], block_size)
         columns = stage.send(static.input_ids.device)
         static.input_ids.copy_(columns[ids])
+        if fed is not None and fed_rows is not None:
+            from_fed = columns[fed_rows]  # [bucket]
+            static.input_ids.copy_(torch.where(from_fed >= 0, fed.drawn[from_fed.clamp(min=0)], static.input_ids))
         static.positions.copy_(columns[starts])
         static.slot_mapping.copy_(columns[slots])
         if self._written is not None:

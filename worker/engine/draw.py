@@ -33,6 +33,7 @@ class Draw:
     error: str | None = None
 
 
+NOT_FINITE = "the model's logits for this request are not finite (NaN or inf)"  # that request's error
 # What the engine draws with: (requests, their chunks, their logit rows in chunk order) -> one Draw per request.
 DrawFn = Callable[[Sequence[Request], Sequence[ScheduledChunk], torch.Tensor], list[Draw]]
 
@@ -64,8 +65,7 @@ def draw_tokens(requests: Sequence[Request], chunks: Sequence[ScheduledChunk], l
     healthy = [all(finite[row] for row in span) for span in spans]
     if not defer_check:
         drawn = _draw_isolating(requests, chunks, spans, logits, draw, [i for i, ok in enumerate(healthy) if ok])
-    return [_checked(drawn[i], int(logits.shape[-1])) if ok
-            else Draw(error="the model's logits for this request are not finite (NaN or inf)")
+    return [checked(drawn[i], int(logits.shape[-1])) if ok else Draw(error=NOT_FINITE)
             for i, ok in enumerate(healthy)]
 
 
@@ -91,7 +91,7 @@ def _draw_isolating(requests: Sequence[Request], chunks: Sequence[ScheduledChunk
                 **_draw_isolating(requests, chunks, spans, logits, draw, indices[mid:])}
 
 
-def _checked(result: Draw, vocab_size: int) -> Draw:
+def checked(result: Draw, vocab_size: int) -> Draw:
     """The draw, or a failed one if it holds an id the model cannot embed in the next step."""
     bad = [t for t in result.token_ids if not 0 <= t < vocab_size]
     if bad:

@@ -19,11 +19,12 @@ from worker.engine.beam_search import BeamSearch, beam_request_id
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, direct_decoder
-from worker.engine.draw import Draw, draw_tokens
+from worker.engine.draw import NOT_FINITE, Draw, checked, draw_tokens
 from worker.engine.grammar import GrammarCompiler
 from worker.engine.kv_cache import num_blocks_needed
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, FinishReason, Logprob, RequestOutput, StepOutput
+from worker.engine.overlap import PendingStep, can_overlap, fed_tokens, launch_draw
 from worker.engine.request import Request, validate_request
 from worker.engine.sampler import Sampler, make_generator, prepare_sampling_batch
 from worker.engine.sampling_params import SamplingParams
@@ -66,6 +67,7 @@ class Engine:
         self.beams = BeamSearch(self.scheduler, self.block_pool, self._requests, self._detokenize, self._scrub)
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
+        self._pending: PendingStep | None = None  # a launched step whose tokens are not read back (overlap.py)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -173,8 +175,48 @@ class Engine:
         """Advance every scheduled request by one forward pass; returns what happened (empty when idle).
 
         A request whose logits or sampling fail ends alone with finish reason "error" (``worker.engine.draw``);
-        only a failure of the forward pass itself, which no single request can be blamed for, raises.
+        only a failure of the forward pass itself, which no single request can be blamed for, raises. With async
+        scheduling (``overlap.py``) a decode step returns the previous step's tokens, its own still on the device.
         """
+        pending, self._pending = self._pending, None
+        graphs = self.runner.graphs
+        if (self.runner.async_scheduling and graphs is not None and self.spec is None and not self.beams.num_groups
+                and can_overlap(self.scheduler, graphs.buckets[-1])):
+            return self._overlapped_step(pending)
+        return self._settle_pending(pending) + self._step_in_turn()
+
+    def _overlapped_step(self, pending: PendingStep | None) -> list[StepOutput]:
+        """Launch the next step behind ``pending`` (``can_overlap``), then settle ``pending``."""
+        output = self.scheduler.schedule()
+        if output.is_empty:  # every running request ends with the pending step's tokens
+            return self._settle_pending(pending)
+        logits = self.runner.execute(output, fed_tokens(output.chunks, pending))  # [B, V]
+        self.scheduler.cache_computed_blocks(output, self._requests)
+        requests = [self._requests[c.request_id] for c in output.chunks]
+        try:
+            self._pending = launch_draw(requests, logits, self.sampler, self.eos_token_ids)
+        except Exception as exc:  # the sampler raised: draw again in turn, where a faulty request fails alone
+            log.warning("drawing on the device raised %r; drawing this step in turn", exc)
+            events = self._settle_pending(pending)
+            draws = draw_tokens(requests, output.chunks, logits, self._draw)
+            return events + [self._settle(r, d) for r, d in zip(requests, draws, strict=True)]
+        return self._settle_pending(pending)
+
+    def _settle_pending(self, pending: PendingStep | None) -> list[StepOutput]:
+        """Read back a pending step's tokens and settle them; rows of requests that ended meanwhile are dropped."""
+        if pending is None:
+            return []
+        token_ids, finite = pending.readback.wait()
+        events = []
+        for request, counted, token_id, ok in zip(pending.requests, pending.goes_on, token_ids, finite, strict=True):
+            request.num_pending_tokens -= counted
+            if not request.is_finished:
+                draw = checked(Draw([token_id], [None]), self.vocab_size) if ok else Draw(error=NOT_FINITE)
+                events.append(self._settle(request, draw))
+        return events
+
+    def _step_in_turn(self) -> list[StepOutput]:
+        """Schedule, run, draw and settle one step."""
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # sets spec_token_ids of requests about to decode
             self.grammar.trim_proposals(self.scheduler.running)

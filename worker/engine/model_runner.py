@@ -30,6 +30,7 @@ from worker.engine.config import (
     EnginePlan,
     ModelShape,
     make_plan,
+    pick_async_scheduling,
     pick_attention_backend,
     pick_cascade,
     pick_compile_pointwise,
@@ -39,7 +40,7 @@ from worker.engine.config import (
     pick_kv_dtype,
     plan_compute,
 )
-from worker.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, pick_bucket
+from worker.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, FedTokens, pick_bucket
 from worker.engine.decode_attention import prepare_decode_batch
 from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.decoder import Decoder, unsupported_reason
@@ -149,10 +150,12 @@ class ModelRunner:
         if self.flex is not None and self.cuda_graphs != "off":
             self.graphs = DecodeGraphs(self.forward, self.kv_cache, self.flex.attend, self.flex.options,
                                        config.max_num_seqs, capture=self.cuda_graphs == "on", device=device)
+        self.async_scheduling = pick_async_scheduling(config, self.cuda_graphs if self.graphs is not None else "off")
         log.info("model loaded: folder=%s device=%s dtype=%s quantization=%s forward=%s attention=%s "
-                 "cuda_graphs=%s kv_blocks=%d kv_dtype=%s block_size=%d max_model_len=%d", folder, device, dtype,
-                 self.compute.quantization, f"decoder ({self.decoder.ops.kind} pointwise)" if self.decoder
-                 else "transformers", self.attention_backend, self.cuda_graphs, self.plan.num_kv_blocks,
+                 "cuda_graphs=%s async_scheduling=%s kv_blocks=%d kv_dtype=%s block_size=%d max_model_len=%d",
+                 folder, device, dtype, self.compute.quantization,
+                 f"decoder ({self.decoder.ops.kind} pointwise)" if self.decoder else "transformers",
+                 self.attention_backend, self.cuda_graphs, self.async_scheduling, self.plan.num_kv_blocks,
                  self.plan.cache_dtype, self.plan.block_size, self.plan.max_model_len)
 
     @property
@@ -160,11 +163,13 @@ class ModelRunner:
         return self.plan.device
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns float32 logits ``[num_chunks_needing_logits, vocab]`` in chunk order."""
+    def execute(self, output: SchedulerOutput, fed: FedTokens | None = None) -> torch.Tensor:
+        """Run the step; returns float32 logits ``[num_chunks_needing_logits, vocab]`` in chunk order. ``fed``: ids
+        the previous step drew on the device (a decode step run from the static buffers, ``overlap.py``)."""
         self.kv_cache.copy_blocks(output.block_copies)  # copy-on-write, before this step writes into the copies
         if self.graphs is not None and self.graphs.can_run(output.chunks):
-            return self.graphs.run(output.chunks).float()  # [num_sampled, V]
+            return self.graphs.run(output.chunks, fed).float()  # [num_sampled, V]
+        assert fed is None, "only the static decode path takes ids from the device"
         input_ids, position_ids, metadata, logits_indices = self.prepare_inputs(output.chunks)
         context = PagedContext(self.kv_cache, metadata)
         return self.forward(input_ids[0], position_ids[0], context, logits_indices).float()  # [num_sampled, V]

@@ -19,6 +19,8 @@ from worker.engine.block_pool import BlockHash
 from worker.engine.outputs import FinishReason, Logprob
 from worker.engine.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1  # the id of a token drawn on the device and not yet read back (``Request.num_pending_tokens``)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -60,6 +62,9 @@ class Request:
     # The beams of one beam-search request (this one included; empty otherwise): the scheduler preempts and
     # re-admits them together, and a beam whose next-token logits wait for its siblings' is not scheduled.
     beam_members: list[Request] = field(default_factory=list)
+    # Tokens drawn in a step the device still runs (``overlap.py``), not yet read back: counted in ``num_tokens``
+    # so that the next step can be scheduled behind them, their ids ``PENDING_TOKEN`` until they are appended.
+    num_pending_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,6 +76,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output, and any drawn tokens still pending."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output whose ids are known here: ``num_tokens`` less the pending ones."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -82,8 +93,13 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """Tokens ``[start, end)`` of prompt + output, without building the concatenation for decode steps."""
+        """Tokens ``[start, end)`` of prompt + output (+ ``PENDING_TOKEN`` for each pending one), without building
+        the concatenation for decode steps."""
         num_prompt = len(self.prompt_token_ids)
+        known_end = self.num_known_tokens
+        if self.num_pending_tokens and end > known_end:
+            known = self.token_ids_slice(start, known_end) if start < known_end else []
+            return known + [PENDING_TOKEN] * (min(end, self.num_tokens) - max(start, known_end))
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         if end <= num_prompt:

@@ -279,12 +279,13 @@ class Scheduler:
         request.num_cached_tokens = request.num_computed_tokens
 
     def cache_computed_blocks(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """After the forward pass: publish the hashes of blocks that just became full (prefix caching)."""
+        """After the forward pass: publish the hashes of blocks that just became full (prefix caching). A block
+        that holds a pending token (``Request.num_pending_tokens``) waits for a later step, once its id is known."""
         if not self.pool.enable_caching:
             return
         for chunk in output.chunks:
             request = requests[chunk.request_id]
-            num_full = request.num_computed_tokens // self.block_size
+            num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
             for i in range(len(request.block_hashes), num_full):
                 parent = request.block_hashes[-1] if request.block_hashes else None
                 tokens = request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
