@@ -181,7 +181,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     num_rows, vocab_size = logits.shape
     if batch.banned_tokens is not None:
         logits = logits.index_put((batch.banned_tokens.rows, batch.banned_tokens.token_ids),
-                                  torch.tensor(float("-inf"), device=logits.device))
+                                  torch.full((), float("-inf"), device=logits.device))
     if batch.output_tokens is None:
         return logits
     output_counts = _counts(batch.output_tokens, num_rows, vocab_size)  # [B, V]
@@ -204,7 +204,7 @@ def _top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     top_values = logits.topk(min(max_top_k, vocab_size), dim=-1).values  # [B, max_k]
     k = top_k.clamp(max=vocab_size)
     threshold = top_values.gather(1, (k - 1).clamp(min=0)[:, None])  # [B, 1]
-    threshold = torch.where(k[:, None] > 0, threshold, torch.tensor(float("-inf"), device=logits.device))
+    threshold = torch.where(k[:, None] > 0, threshold, torch.full((), float("-inf"), device=logits.device))
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
@@ -271,7 +271,8 @@ def _inverse_cdf_draw(probs: torch.Tensor, generators: tuple[torch.Generator | N
     if len(unseeded) == num_rows:
         uniform.uniform_()
     elif unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), 1, dtype=probs.dtype, device=probs.device)
+        rows = _sent(torch.tensor(unseeded, dtype=torch.long), probs.device)
+        uniform[rows] = torch.rand(len(unseeded), 1, dtype=probs.dtype, device=probs.device)
     for row, generator in enumerate(generators):
         if generator is not None:
             uniform[row] = torch.rand(1, generator=generator, dtype=probs.dtype, device=probs.device)
