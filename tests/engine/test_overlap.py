@@ -8,6 +8,8 @@ decode path, ``cuda_graphs="padded"``, in both), token for token and event for e
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -234,3 +236,37 @@ def test_turning_overlap_off_mid_run_settles_the_pending_step(overlapped: Engine
         overlapped.runner.async_scheduling = True
     assert overlapped._pending is None
     assert _outcome(run) == _outcome(_run(in_turn, params))
+
+
+def test_a_mixed_workload_under_preemption_ends_as_in_turn(tiny_llama: Path) -> None:
+    """Seven requests (one an n=2 group) outgrow a pool of 10 blocks while decoding overlapped, so requests are
+    preempted with a token pending; greedy and seeded, some stopped by a stop token mid-way, one with logprobs that
+    ends early: each ends with the tokens and reason it gets in turn."""
+    rng = random.Random(5)
+    jobs = []
+    for i in range(6):
+        params = SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i if i % 3 == 0 else None,
+                                max_tokens=4 if i == 5 else rng.randint(25, 40), ignore_eos=True,
+                                logprobs=1 if i == 5 else None)
+        jobs.append(([f"j{i}a", f"j{i}b"] if i == 4 else [f"j{i}"], [rng.randrange(3, 500) for _ in range(
+            rng.randint(1, 20))], params))
+
+    def run(overlap: bool, stops: dict[int, int]) -> tuple[dict[str, tuple], int, int]:
+        engine = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", block_size=16, num_kv_blocks=10,
+                                     max_num_seqs=8, attention_backend="flex", cuda_graphs="padded",
+                                     async_scheduling="on" if overlap else "off"))
+        for i, (ids, prompt, params) in enumerate(jobs):
+            stop = (stops[i],) if i in stops else ()
+            engine.add_request_group(ids, prompt, dataclasses.replace(params, stop_token_ids=stop))
+        overlapped, counted = engine._overlapped_step, []
+        engine._overlapped_step = lambda pending: counted.append(1) or overlapped(pending)  # type: ignore[method-assign]
+        outcome = _outcome(drain(engine))
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+        return outcome, engine.stats().num_preemptions, len(counted)
+
+    free, _, _ = run(False, {})
+    stops = {i: free[f"j{i}"][0][12] for i in (1, 2)}  # their 13th token ends them
+    outcome, preempted, num_overlapped = run(True, stops)
+    assert outcome == run(False, stops)[0] and len(outcome) == 7
+    assert preempted > 0 and num_overlapped > 20  # (the blocks run out a step earlier than in turn)
+    assert [outcome[f"j{i}"][2] for i in (1, 2, 3)] == ["stop", "stop", "length"]
