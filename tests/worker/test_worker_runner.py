@@ -8,6 +8,8 @@ handed back to the same worker runs to the end; a full Redis is waited out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -82,11 +84,19 @@ class Harness:
 
 @pytest.fixture()
 async def harness(redis_url: str, tiny_llama: Path) -> AsyncIterator[Harness]:
+    async with serving_harness(redis_url, tiny_llama) as harness:
+        yield harness
+
+
+@contextlib.asynccontextmanager
+async def serving_harness(redis_url: str, tiny_llama: Path, **engine_overrides: object) -> AsyncIterator[Harness]:
+    """A ``Harness``; ``engine_overrides`` replace fields of the engine config the settings give."""
     settings = queue_settings(redis_url, model=str(tiny_llama), model_name="tiny", device="cpu", num_threads=1,
                               lease_ttl_s=LEASE_S, heartbeat_interval_s=0.5, num_kv_blocks=64, max_num_seqs=4)
+    config = dataclasses.replace(engine_config(settings), **engine_overrides)  # type: ignore[arg-type]
     timeline = Timeline()
     engine_thread = EngineThread()
-    engine = await asyncio.to_thread(engine_thread.build, lambda: Engine(engine_config(settings)))
+    engine = await asyncio.to_thread(engine_thread.build, lambda: Engine(config))
     real_step = engine.step
 
     def timed_step():  # type: ignore[no-untyped-def]
@@ -284,3 +294,40 @@ async def test_a_step_longer_than_the_lease_keeps_the_lease(harness: Harness) ->
     await _wait_final(harness.queue, job.id)
     record = await harness.queue.get(job.id)
     assert record is not None and record.status is JobStatus.SUCCEEDED and record.attempts == 1
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+async def test_an_engine_with_async_scheduling_serves_jobs_as_in_turn(redis_url: str, tiny_llama: Path) -> None:
+    """The runner around an engine whose decode steps overlap (``overlap.py``: a step's tokens come back a step
+    later, and the first overlapped step returns none): greedy and n=2 seeded jobs, a stop string and a cancel
+    end as with the same engine stepping in turn."""
+    static = {"dtype": "float32", "attention_backend": "flex", "cuda_graphs": "padded", "block_size": 16,
+              "num_kv_blocks": 32}
+    params = [GenerationParams(max_tokens=12, temperature=0, ignore_eos=True),
+              GenerationParams(max_tokens=10, temperature=0.9, seed=4, ignore_eos=True),
+              GenerationParams(max_tokens=30, temperature=0, ignore_eos=True, stop=["sell"])]
+    texts = []
+    for overlap in ("on", "off"):
+        async with serving_harness(redis_url, tiny_llama, async_scheduling=overlap, **static) as harness:
+            assert harness.engine.runner.async_scheduling == (overlap == "on")
+            jobs = [make_job(prompt=f"Story {i}", params=p, n=2 if i == 1 else 1) for i, p in enumerate(params)]
+            long = make_job(prompt="Once upon a time", params=GenerationParams(max_tokens=500, temperature=0,
+                                                                               ignore_eos=True))
+            for job in [*jobs, long]:
+                await harness.queue.submit(job)
+            harness.start()
+            for job in jobs:
+                await _wait_final(harness.queue, job.id)
+            await harness.queue.cancel(long.id)
+            await _wait_final(harness.queue, long.id)
+            records = [await harness.queue.get(job.id) for job in jobs]
+            assert all(r is not None and r.status is JobStatus.SUCCEEDED for r in records)
+            assert records[2] is not None and records[2].choices[0].finish_reason == "stop"  # mid-way, on "sell"
+            texts.append([[c.text for c in r.choices] for r in records if r is not None])
+            cancelled = await harness.queue.get(long.id)
+            assert cancelled is not None and cancelled.status is JobStatus.CANCELLED
+            log = await harness.queue.replay(long.id, 0)
+            assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
+            assert "".join(e["text"] for e in log[:-1]) == cancelled.choices[0].text
+            assert harness.engine.stats().num_free_blocks == harness.engine.stats().num_total_blocks
+    assert texts[0] == texts[1] and len(texts[0][1]) == 2
