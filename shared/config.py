@@ -121,6 +121,9 @@ class Settings(BaseSettings):
     attention_backend: str = Field("auto", pattern="^(auto|sdpa|kernel|flex)$",
                                    description="auto (flex on CUDA; on CPU the C++ decode kernel, built once with "
                                    "g++ and ninja, else sdpa) | sdpa (gathered K/V) | kernel | flex")
+    async_scheduling: str = Field("auto", pattern="^(auto|on|off)$",
+                                  description="schedule the next decode step while the GPU runs this one: auto (on "
+                                  "where CUDA graphs replay decode steps) | on | off")
     num_threads: int | None = Field(None, ge=1, description="torch threads; unset = the cores this process may use")
     worker_id: str | None = Field(None, description="unique worker id; default host-pid-random")
     drain_timeout_s: float = Field(30.0, ge=0, description="seconds SIGTERM waits for running jobs")

@@ -68,7 +68,7 @@ def test_worker_flags_map_to_settings_fields() -> None:
         "--dtype", "float32", "--speculative", "ngram", "--draft-model", "/models/draft",
         "--num-speculative-tokens", "3", "--metrics-port", "9100", "--drain-timeout", "7.5",
         "--no-enable-prefix-caching", "--worker-id", "w1", "--attention-backend", "sdpa", "--kv-cache-dtype",
-        "float16",
+        "float16", "--async-scheduling", "off",
     ])
     assert (settings.redis_url, settings.model, settings.max_num_seqs) == ("redis://127.0.0.1:1/0", "smollm2", 8)
     assert (settings.max_num_batched_tokens, settings.block_size, settings.num_kv_blocks) == (512, 8, 100)
@@ -79,6 +79,8 @@ def test_worker_flags_map_to_settings_fields() -> None:
 
     assert engine_config(settings).attention_backend == "sdpa"
     assert engine_config(settings).kv_cache_dtype == "float16"
+    assert engine_config(settings).async_scheduling == "off"
+    assert engine_config(settings_for(["worker"])).async_scheduling == "auto"
     assert engine_config(settings_for(["worker"])).kv_cache_dtype is None  # auto: the engine picks
 
 

@@ -39,7 +39,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         speculative_method=settings.speculative, draft_model=settings.draft_model,
         num_speculative_tokens=settings.num_speculative_tokens,
         speculative_max_batch=settings.speculative_max_batch, quantization=settings.quantization,
-        attention_backend=settings.attention_backend,
+        attention_backend=settings.attention_backend, async_scheduling=settings.async_scheduling,
         kv_cache_dtype=None if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype,
         # Default: one torch thread per core this process may run on (torch's own default counts the machine's
         # cores, which oversubscribes a pinned or shared worker; docs/performance.md).

@@ -36,8 +36,8 @@ _BATCH = ("file_max_bytes", "file_retention_s", "batch_max_lines", "batch_priori
 _MODEL = ("model", "model_name", "model_cache_dir")
 _ENGINE = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
            "kv_cache_bytes", "enable_prefix_caching", "speculative", "draft_model", "num_speculative_tokens",
-           "speculative_max_batch", "quantization", "kv_cache_dtype", "attention_backend", "num_threads",
-           "drain_timeout_s", "claim_poll_s", "metrics_port")
+           "speculative_max_batch", "quantization", "kv_cache_dtype", "attention_backend", "async_scheduling",
+           "num_threads", "drain_timeout_s", "claim_poll_s", "metrics_port")
 _LOG = ("log_level", "log_prompts")
 
 # The Settings fields each command takes as flags. `up` passes its settings on to the processes it starts;
