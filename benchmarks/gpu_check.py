@@ -386,7 +386,7 @@ def render_table(report: dict) -> str:
     hardware = report.get("measured") or {}
     lines = [f"device: {report['device_name']} ({report['device']}, {report['dtype']}); torch {report['torch']}, "
              f"transformers {report['transformers']}; bounds: {report['bandwidth_tbs']} TB/s, "
-             f"{report['peak_tflops']} TFLOP/s"
+             f"{report['peak_tflops']} TFLOP/s ({report.get('bounds_from', 'given')})"
              + (f" (measured in this run: {hardware['copy_tbs']:.2f} TB/s, {hardware['bf16_tflops']:.0f} TFLOP/s)"
                 if hardware else ""),
              "engine: " + "; ".join(f"{n}: attention {s.get('attention_backend')}, cuda graphs {s.get('cuda_graphs')}"
@@ -403,6 +403,18 @@ def render_table(report: dict) -> str:
     for key, t in report["targets"].items():
         lines.append(f"\ntarget {key}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'MISSED'}")
     return "\n".join(lines) + "\n"
+
+
+def pick_bounds(bandwidth_tbs: float | None, peak_tflops: float | None, measured: dict | None
+                ) -> tuple[float, float, str]:
+    """The bandwidth and peak the targets are judged against, and where they came from: as given, else this
+    GPU's own measured rates (an H100 is judged against an H100's memory, not an H200's), else an H200's."""
+    if bandwidth_tbs is not None and peak_tflops is not None:
+        return bandwidth_tbs, peak_tflops, "given"
+    if measured is not None:
+        return (bandwidth_tbs or round(measured["copy_tbs"], 2), peak_tflops or round(measured["bf16_tflops"]),
+                "measured" if bandwidth_tbs is None and peak_tflops is None else "given and measured")
+    return bandwidth_tbs or H200_BANDWIDTH_TBS, peak_tflops or H200_BF16_TFLOPS, "H200 constants"
 
 
 def copy_tbs(device: str, nbytes: int = 1 << 32) -> float:
@@ -444,8 +456,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--async-scheduling", default="auto", choices=("auto", "off", "on"),
                         help="EngineConfig.async_scheduling (auto: on where CUDA graphs replay); where on, the decode "
                         "check also times the same steps in turn")
-    parser.add_argument("--bandwidth-tbs", type=float, default=H200_BANDWIDTH_TBS)
-    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
+    parser.add_argument("--bandwidth-tbs", type=float, default=None,
+                        help="the weight-bandwidth bound's TB/s (default: this GPU's copy rate, measured at the start; "
+                        f"{H200_BANDWIDTH_TBS}, an H200's, on CPU)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the prefill peak's TFLOP/s (default: this GPU's bf16 matmul rate, measured at the start; "
+                        f"{H200_BF16_TFLOPS:.0f}, an H200's, on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/gpu_check.json or "
                         "benchmarks/results/gpu_check.json)")
     parser.add_argument("--deadline-s", type=float, default=None,
@@ -480,10 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     args.started = time.perf_counter()
     cuda = args.device.startswith("cuda")
     shapes: dict[str, dict] = {}
+    measured = measure_hardware(args.device)
+    args.bandwidth_tbs, args.peak_tflops, bounds_from = pick_bounds(args.bandwidth_tbs, args.peak_tflops, measured)
     report = {"device": args.device, "device_name": torch.cuda.get_device_name(args.device) if cuda else "cpu",
               "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
-              "bandwidth_tbs": args.bandwidth_tbs, "peak_tflops": args.peak_tflops, "batches": args.batches,
-              "concurrent": args.concurrent, "measured": measure_hardware(args.device), "shapes": shapes,
+              "bandwidth_tbs": args.bandwidth_tbs, "peak_tflops": args.peak_tflops, "bounds_from": bounds_from,
+              "batches": args.batches, "concurrent": args.concurrent, "measured": measured, "shapes": shapes,
               "complete": False}
 
     def save() -> None:

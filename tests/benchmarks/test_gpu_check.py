@@ -14,6 +14,7 @@ from benchmarks.gpu_check import (
     divergence,
     main,
     parity_summary,
+    pick_bounds,
     render_table,
     targets,
     transformers_cb_config,
@@ -92,6 +93,14 @@ def test_targets_are_judged_on_the_1b_shape() -> None:
 def test_targets_are_missed_when_a_check_failed() -> None:
     failed = targets({"llama-1b": {"decode": {"error": "RuntimeError: boom"}, "concurrent": {"skipped": "deadline"}}})
     assert not failed["decode_batch1_x_bound"]["met"] and not failed["concurrent_x_transformers_cb"]["met"]
+
+
+def test_targets_are_judged_against_the_gpus_own_measured_rates_unless_given() -> None:
+    measured = {"copy_tbs": 3.214, "bf16_tflops": 701.6}  # an H100's
+    assert pick_bounds(None, None, measured) == (3.21, 702, "measured")
+    assert pick_bounds(4.3, None, measured) == (4.3, 702, "given and measured")
+    assert pick_bounds(4.3, 790.0, measured) == (4.3, 790.0, "given")
+    assert pick_bounds(None, None, None) == (4.3, 790.0, "H200 constants")  # CPU smoke runs
 
 
 def test_transformers_cb_config_gives_both_sides_the_same_room() -> None:
