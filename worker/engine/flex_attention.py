@@ -16,6 +16,7 @@ power of two). Padding bounds the number of shapes the compiled kernel is built 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -131,12 +132,11 @@ def allocate_flex_index(batch: int, num_queries: int, num_blocks: int, device: t
 class StagedIndex:
     """Where ``stage_flex_index`` queued an index's values: column numbers in the ``Staging``'s result."""
 
-    rows: int  # [n] row of each (row, block) pair of the tables
-    blocks: int  # [n] its physical block
-    logical: int  # [n] its place in the row's table
+    blocks: int  # [n] the rows' tables, one after another: the physical block of each (row, logical) pair
     first_positions: int  # [B]
     context_lens: int  # [B]
     num_blocks: int  # [B] blocks in each row's table
+    num_entries: int  # n = the sum of ``num_blocks``
 
 
 def stage_flex_index(stage: Staging, batch: int, tables: Sequence[Sequence[int]], first_positions: Sequence[int],
@@ -144,20 +144,32 @@ def stage_flex_index(stage: Staging, batch: int, tables: Sequence[Sequence[int]]
     """Queue ``len(tables)`` rows of an index of ``batch`` rows; the rows after them become padding.
 
     Row ``b``'s query ``i`` sits at position ``first_positions[b] + i`` and sees keys at positions ``<=`` that and
-    ``< context_lens[b]`` in its table's blocks. A padded row sees block 0's first key: finite, and dropped.
+    ``< context_lens[b]`` in its table's blocks. A padded row sees block 0's first key: finite, and dropped. Only
+    the tables' blocks go one by one: each entry's row and logical place are made on the device from the counts.
     """
     pad_rows = batch - len(tables)
     assert pad_rows >= 0, "more rows than the index holds"
     used = [t[:num_blocks_needed(n, block_size)] for t, n in zip(tables, context_lens, strict=True)]
     used += [(0,)] * pad_rows
+    counts = [len(t) for t in used]
     return StagedIndex(
-        rows=stage.add(b for b, t in enumerate(used) for _ in t),
-        blocks=stage.add(i for t in used for i in t),
-        logical=stage.add(j for t in used for j in range(len(t))),
+        blocks=stage.add(itertools.chain.from_iterable(used)),
         first_positions=stage.add([*first_positions, *[0] * pad_rows]),
         context_lens=stage.add([*context_lens, *[1] * pad_rows]),
-        num_blocks=stage.add(len(t) for t in used),
+        num_blocks=stage.add(counts),
+        num_entries=sum(counts),
     )
+
+
+def _entries(columns: Sequence[torch.Tensor], staged: StagedIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each table entry's row, physical block and logical place ``[n]`` each, from the sent columns (no wait for
+    the device: the entry count is known on the host)."""
+    counts, blocks = columns[staged.num_blocks], columns[staged.blocks]
+    rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                   output_size=staged.num_entries)  # [n]
+    starts = torch.cumsum(counts, 0) - counts  # [B]: each row's first entry
+    logical = torch.arange(staged.num_entries, device=counts.device) - starts[rows]  # [n]
+    return rows, blocks, logical
 
 
 def write_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: StagedIndex) -> None:
@@ -166,7 +178,7 @@ def write_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: 
     ``index``'s pool-wide tensors (``to_logical``, ``kv_indices``) must hold no other entries: as allocated, or
     cleared of an earlier write's by ``clear_flex_index``. So a step costs work in its table entries, not in
     ``batch x pool blocks`` (at 256 rows over a GPU's ~500k blocks, two fills of ~0.5 GB each)."""
-    rows, blocks, logical = columns[staged.rows], columns[staged.blocks], columns[staged.logical]
+    rows, blocks, logical = _entries(columns, staged)
     index.to_logical[rows, blocks] = logical.to(torch.int32)
     index.first_positions.copy_(columns[staged.first_positions])
     index.context_lens.copy_(columns[staged.context_lens])
@@ -177,7 +189,7 @@ def write_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: 
 def clear_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: StagedIndex) -> None:
     """Undo the table entries that ``write_flex_index(index, columns, staged)`` made: ``to_logical`` and
     ``kv_indices`` are as allocated again (the per-row columns are rewritten whole by the next write)."""
-    rows, blocks, logical = columns[staged.rows], columns[staged.blocks], columns[staged.logical]
+    rows, blocks, logical = _entries(columns, staged)
     index.to_logical[rows, blocks] = -1
     index.kv_indices[rows, 0, :, logical] = 0
 
