@@ -22,10 +22,10 @@ import torch
 from worker.engine.attention import AttentionMetadata, PagedContext
 from worker.engine.flex_attention import (
     FlexCall,
+    FlexEntries,
     FlexFn,
     FlexIndex,
     FlexStep,
-    StagedIndex,
     allocate_flex_index,
     clear_flex_index,
     make_block_mask,
@@ -100,8 +100,8 @@ class DecodeGraphs:
         self._static = {b: self._views(b, ids, positions, slots, index, attend, options, device) for b in self.buckets}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: tuple[int, int] | None = None  # the graphs share one memory pool
-        # The last fill's index entries (its bucket's index, the sent columns), cleared before the next fill
-        self._written: tuple[FlexIndex, list[torch.Tensor], StagedIndex] | None = None
+        # The last fill's index entries (its bucket's index, the entries), cleared before the next fill
+        self._written: tuple[FlexIndex, FlexEntries] | None = None
         self.num_steps = 0  # decode steps this path ran
 
     def _views(self, bucket: int, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: FlexIndex,
@@ -171,8 +171,7 @@ class DecodeGraphs:
         static.slot_mapping.copy_(columns[slots])
         if self._written is not None:
             clear_flex_index(*self._written)
-        write_flex_index(static.index, columns, staged)
-        self._written = (static.index, columns, staged)
+        self._written = (static.index, write_flex_index(static.index, columns, staged))
 
     def _forward(self, static: StaticDecode) -> torch.Tensor:
         return self.forward(static.input_ids, static.positions, static.context, static.logits_indices)

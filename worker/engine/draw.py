@@ -47,6 +47,12 @@ def row_spans(chunks: Sequence[ScheduledChunk]) -> list[range]:
     return spans
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Whether each row ``[rows]`` of ``logits`` [rows, V] is finite: no NaN or +inf, and not every entry -inf
+    (``amax`` propagates NaN)."""
+    return torch.isfinite(logits.amax(dim=-1))
+
+
 def draw_tokens(requests: Sequence[Request], chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
                 draw: DrawFn, defer_check: bool = False) -> list[Draw]:
     """``logits``: [sum(1 + num_spec_tokens), V]. One ``Draw`` per request, in order; nothing raises for a
@@ -57,11 +63,11 @@ def draw_tokens(requests: Sequence[Request], chunks: Sequence[ScheduledChunk], l
     not finite replaced by zeros first so that no sampler sees them, and reads the check back with the drawn
     tokens: one wait per step, not two, and the sampler's kernels queue behind the forward pass."""
     spans = row_spans(chunks)
-    finite_rows = torch.isfinite(logits.amax(dim=-1))  # [rows]: amax propagates NaN
+    finite_flags = finite_rows(logits)  # [rows]
     if defer_check:
-        zeroed = torch.where(finite_rows[:, None], logits, 0.0)  # [rows, V]
+        zeroed = torch.where(finite_flags[:, None], logits, 0.0)  # [rows, V]
         drawn = _draw_isolating(requests, chunks, spans, zeroed, draw, list(range(len(requests))))
-    finite = finite_rows.tolist()
+    finite = finite_flags.tolist()
     healthy = [all(finite[row] for row in span) for span in spans]
     if not defer_check:
         drawn = _draw_isolating(requests, chunks, spans, logits, draw, [i for i, ok in enumerate(healthy) if ok])

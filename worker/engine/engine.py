@@ -26,7 +26,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, FinishReason, Logprob, RequestOutput, StepOutput
 from worker.engine.overlap import PendingStep, can_overlap, fed_tokens, launch_draw
 from worker.engine.request import Request, validate_request
-from worker.engine.sampler import Sampler, make_generator, prepare_sampling_batch
+from worker.engine.sampler import Sampler, SamplerOutput, make_generator, prepare_sampling_batch
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.spec_decode import SpeculativeDecoder, make_speculative_decoder
@@ -194,7 +194,7 @@ class Engine:
         self.scheduler.cache_computed_blocks(output, self._requests)
         requests = [self._requests[c.request_id] for c in output.chunks]
         try:
-            self._pending = launch_draw(requests, logits, self.sampler, self.eos_token_ids)
+            self._pending = launch_draw(requests, logits, self._sample)
         except Exception as exc:  # the sampler raised: draw again in turn, where a faulty request fails alone
             log.warning("drawing on the device raised %r; drawing this step in turn", exc)
             events = self._settle_pending(pending)
@@ -316,12 +316,16 @@ class Engine:
         if self.spec is not None:
             return [Draw(v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted_tokens)
                     for v in self.spec.verify(requests, chunks, logits)]
+        result = self._sample(requests, logits)
+        return [Draw([t], [lp]) for t, lp in zip(result.token_ids.tolist(), result.logprobs, strict=True)]
+
+    def _sample(self, requests: Sequence[Request], logits: torch.Tensor) -> SamplerOutput:
+        """One token per request (``logits`` [B, V], masked already), each by its own parameters, on the device."""
         batch = prepare_sampling_batch(
             [r.params for r in requests], [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests], [r.generator for r in requests],
             self.eos_token_ids, self.runner.device)
-        result = self.sampler(logits, batch)
-        return [Draw([t], [lp]) for t, lp in zip(result.token_ids.tolist(), result.logprobs, strict=True)]
+        return self.sampler(logits, batch)
 
     def _settle(self, request: Request, draw: Draw) -> StepOutput:
         """Append a request's drawn tokens (rolling back rejected speculative K/V), or end it with its error."""

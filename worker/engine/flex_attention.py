@@ -161,37 +161,41 @@ def stage_flex_index(stage: Staging, batch: int, tables: Sequence[Sequence[int]]
     )
 
 
-def _entries(columns: Sequence[torch.Tensor], staged: StagedIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each table entry's row, physical block and logical place ``[n]`` each, from the sent columns (no wait for
-    the device: the entry count is known on the host)."""
+@dataclass(frozen=True, eq=False)
+class FlexEntries:
+    """The table entries a ``write_flex_index`` made, ``[n]`` each: what ``clear_flex_index`` undoes."""
+
+    rows: torch.Tensor
+    blocks: torch.Tensor  # physical
+    logical: torch.Tensor
+
+
+def write_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: StagedIndex) -> FlexEntries:
+    """Write the sent columns (``Staging.send``) that ``staged`` names into ``index`` in place; returns the table
+    entries written. Each entry's row and logical place are made here on the device from the per-row counts (no
+    wait: the entry count is known on the host).
+
+    ``index``'s pool-wide tensors (``to_logical``, ``kv_indices``) must hold no other entries: as allocated, or
+    cleared of an earlier write's by ``clear_flex_index``. So a step costs work in its table entries, not in
+    ``batch x pool blocks`` (at 256 rows over a GPU's ~500k blocks, two fills of ~0.5 GB each)."""
     counts, blocks = columns[staged.num_blocks], columns[staged.blocks]
     rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
                                    output_size=staged.num_entries)  # [n]
     starts = torch.cumsum(counts, 0) - counts  # [B]: each row's first entry
     logical = torch.arange(staged.num_entries, device=counts.device) - starts[rows]  # [n]
-    return rows, blocks, logical
-
-
-def write_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: StagedIndex) -> None:
-    """Write the sent columns (``Staging.send``) that ``staged`` names into ``index`` in place.
-
-    ``index``'s pool-wide tensors (``to_logical``, ``kv_indices``) must hold no other entries: as allocated, or
-    cleared of an earlier write's by ``clear_flex_index``. So a step costs work in its table entries, not in
-    ``batch x pool blocks`` (at 256 rows over a GPU's ~500k blocks, two fills of ~0.5 GB each)."""
-    rows, blocks, logical = _entries(columns, staged)
     index.to_logical[rows, blocks] = logical.to(torch.int32)
     index.first_positions.copy_(columns[staged.first_positions])
     index.context_lens.copy_(columns[staged.context_lens])
     index.kv_indices[rows, 0, :, logical] = blocks.to(torch.int32)[:, None]
-    index.kv_num_blocks.copy_(columns[staged.num_blocks][:, None, None].expand_as(index.kv_num_blocks))
+    index.kv_num_blocks.copy_(counts[:, None, None].expand_as(index.kv_num_blocks))
+    return FlexEntries(rows, blocks, logical)
 
 
-def clear_flex_index(index: FlexIndex, columns: Sequence[torch.Tensor], staged: StagedIndex) -> None:
-    """Undo the table entries that ``write_flex_index(index, columns, staged)`` made: ``to_logical`` and
-    ``kv_indices`` are as allocated again (the per-row columns are rewritten whole by the next write)."""
-    rows, blocks, logical = _entries(columns, staged)
-    index.to_logical[rows, blocks] = -1
-    index.kv_indices[rows, 0, :, logical] = 0
+def clear_flex_index(index: FlexIndex, entries: FlexEntries) -> None:
+    """Undo the table entries a ``write_flex_index`` into ``index`` made: ``to_logical`` and ``kv_indices`` are as
+    allocated again (the per-row columns are rewritten whole by the next write)."""
+    index.to_logical[entries.rows, entries.blocks] = -1
+    index.kv_indices[entries.rows, 0, :, entries.logical] = 0
 
 
 def fill_flex_index(index: FlexIndex, tables: Sequence[Sequence[int]], first_positions: Sequence[int],

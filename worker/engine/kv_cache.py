@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from worker.engine.config import EnginePlan, ModelShape
+from worker.engine.staging import to_device
 
 
 class KVCache:
@@ -81,8 +82,8 @@ class KVCache:
         """Copy-on-write: duplicate blocks ``src -> dst`` in every layer, before a request writes into its copy."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.keys[0].device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.keys[0].device)
+        src = to_device([s for s, _ in copies], torch.long, self.keys[0].device)
+        dst = to_device([d for _, d in copies], torch.long, self.keys[0].device)
         for pool in (self.key_pool, self.value_pool):  # [L, num_blocks, ...]: every layer's blocks at once
             pool.index_copy_(1, dst, pool.index_select(1, src))
 
@@ -90,7 +91,7 @@ class KVCache:
         """Zero blocks in every layer: what a failed request leaves (its K/V may be NaN) is finite again."""
         if not block_ids:
             return
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[0].device)
+        index = to_device(block_ids, torch.long, self.keys[0].device)
         for pool in (self.key_pool, self.value_pool):
             pool.index_fill_(1, index, 0)
 

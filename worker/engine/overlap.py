@@ -17,15 +17,19 @@ running request decodes, with nobody waiting (``can_overlap``). Any other step s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from worker.engine.cuda_graphs import FedTokens
+from worker.engine.draw import finite_rows
 from worker.engine.request import PENDING_TOKEN, Request
-from worker.engine.sampler import Sampler, prepare_sampling_batch
+from worker.engine.sampler import SamplerOutput
 from worker.engine.scheduler import ScheduledChunk, Scheduler
+
+# What the engine samples with: (requests, their logit rows [B, V]) -> one token per row, on the device
+SampleFn = Callable[[Sequence[Request], torch.Tensor], SamplerOutput]
 
 
 class Readback:
@@ -82,16 +86,12 @@ def fed_tokens(chunks: Sequence[ScheduledChunk], pending: PendingStep | None) ->
     return FedTokens(pending.drawn, rows)
 
 
-def launch_draw(requests: Sequence[Request], logits: torch.Tensor, sampler: Sampler, eos_token_ids: list[int]
-                ) -> PendingStep:
+def launch_draw(requests: Sequence[Request], logits: torch.Tensor, sample: SampleFn) -> PendingStep:
     """Draw one token per request on the device (``logits`` [B, V] float32), read nothing back, and count each
     token pending for the requests that go on after it. Rows whose logits are not finite are zeroed before the
     sampler sees them (``draw.draw_tokens``' deferred check); their requests fail when the step is settled."""
-    finite = torch.isfinite(logits.amax(dim=-1))  # [B]: amax propagates NaN
-    batch = prepare_sampling_batch([r.params for r in requests], [r.prompt_token_ids for r in requests],
-                                   [r.output_token_ids for r in requests], [r.generator for r in requests],
-                                   eos_token_ids, logits.device)
-    drawn = sampler(torch.where(finite[:, None], logits, 0.0), batch).token_ids  # [B]
+    finite = finite_rows(logits)  # [B]
+    drawn = sample(requests, torch.where(finite[:, None], logits, 0.0)).token_ids  # [B]
     goes_on = tuple(r.num_output_tokens + r.num_pending_tokens + 1 < r.max_tokens for r in requests)
     for request, counted in zip(requests, goes_on, strict=True):
         request.num_pending_tokens += counted

@@ -29,6 +29,7 @@ import torch
 
 from worker.engine.outputs import Logprob
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.staging import to_device
 
 DRAW_CHUNK_ROWS = 64
 
@@ -92,25 +93,16 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
-def _sent(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``host`` on ``device``; to a GPU through pinned memory without waiting (a pageable copy waits for the
-    stream, i.e. for the forward pass queued before it: worker.engine.overlap)."""
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _token_index(id_lists: list[list[int]], device: torch.device | str) -> TokenIndex:
-    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(id_lists)), lengths)
-    token_ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long)
-    return TokenIndex(rows=_sent(rows, device), token_ids=_sent(token_ids, device))
+    rows = [row for row, ids in enumerate(id_lists) for _ in ids]
+    token_ids = list(itertools.chain.from_iterable(id_lists))
+    return TokenIndex(rows=to_device(rows, torch.long, device), token_ids=to_device(token_ids, torch.long, device))
 
 
 def _column(values: list[float], neutral: float, device: torch.device | str) -> torch.Tensor | None:
     if all(v == neutral for v in values):
         return None
-    return _sent(torch.tensor(values, dtype=torch.float32), device)
+    return to_device(values, torch.float32, device)
 
 
 def _banned_ids(params: SamplingParams, num_output: int, eos_token_ids: list[int]) -> list[int]:
@@ -143,9 +135,9 @@ def prepare_sampling_batch(
         temperature = torch.ones(num_rows, dtype=torch.float32, device=device)
         is_greedy = torch.ones(num_rows, dtype=torch.bool, device=device)
     else:
-        temperature = _sent(torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                                         dtype=torch.float32), device)
-        is_greedy = _sent(torch.tensor(greedy, dtype=torch.bool), device)
+        temperature = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                                torch.float32, device)
+        is_greedy = to_device(greedy, torch.bool, device)
     return SamplingBatch(
         temperature=temperature,
         is_greedy=is_greedy,
@@ -153,7 +145,7 @@ def prepare_sampling_batch(
         num_logprobs=tuple(p.logprobs for p in params),
         all_greedy=all_greedy,
         any_greedy=any(greedy),
-        top_k=_sent(torch.tensor(top_k, dtype=torch.long), device) if any(top_k) else None,
+        top_k=to_device(top_k, torch.long, device) if any(top_k) else None,
         max_top_k=max(top_k, default=0),
         top_p=_column([p.top_p for p in params], 1.0, device),
         min_p=_column([p.min_p for p in params], 0.0, device),
@@ -271,7 +263,7 @@ def _inverse_cdf_draw(probs: torch.Tensor, generators: tuple[torch.Generator | N
     if len(unseeded) == num_rows:
         uniform.uniform_()
     elif unseeded:
-        rows = _sent(torch.tensor(unseeded, dtype=torch.long), probs.device)
+        rows = to_device(unseeded, torch.long, probs.device)
         uniform[rows] = torch.rand(len(unseeded), 1, dtype=probs.dtype, device=probs.device)
     for row, generator in enumerate(generators):
         if generator is not None:

@@ -10,7 +10,7 @@ place by device work that is ordered after the copy on the stream. On the CPU ``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -31,6 +31,14 @@ class Staging:
 
     def send(self, device: torch.device) -> list[torch.Tensor]:
         """Every queued column, in ``add`` order, as an int64 view ``[len(column)]`` of one tensor on ``device``."""
-        host = torch.tensor(self._values, dtype=torch.long, pin_memory=device.type == "cuda")
-        moved = host.to(device, non_blocking=True)  # the caching host allocator keeps ``host`` until it is copied
+        moved = to_device(self._values, torch.long, device)
         return [moved[start:end] for start, end in self._spans]
+
+
+def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:
+    """``values`` as a ``dtype`` tensor on ``device``: to a GPU from pinned memory with a non-blocking copy, which
+    waits for nothing (the caching host allocator keeps the pinned buffer until it is copied); a copy from pageable
+    memory would wait for the stream, i.e. for the forward pass queued before it."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+    return host.to(device, non_blocking=True)
