@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.staging import Staging
+from worker.engine.staging import Staging, to_device
 
 
 def test_columns_come_back_in_order_as_views_of_one_tensor() -> None:
@@ -19,3 +19,10 @@ def test_columns_come_back_in_order_as_views_of_one_tensor() -> None:
 
 def test_an_empty_stage_sends_nothing() -> None:
     assert Staging().send(torch.device("cpu")) == []
+
+
+def test_to_device_keeps_the_values_and_takes_the_dtype() -> None:
+    floats, flags = to_device([0.5, 2.0], torch.float32, "cpu"), to_device((True, False), torch.bool, "cpu")
+    assert (floats.dtype, floats.tolist()) == (torch.float32, [0.5, 2.0])
+    assert (flags.dtype, flags.tolist()) == (torch.bool, [True, False])
+    assert to_device([], torch.long, torch.device("cpu")).shape == (0,)
