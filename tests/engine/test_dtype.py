@@ -15,13 +15,14 @@ from worker.engine.config import (
     ModelShape,
     bf16_matmul_speedup,
     cpu_flags,
+    head_max_rows,
     make_plan,
     pick_dtype,
     pick_kv_dtype,
     plan_compute,
 )
 from worker.engine.decoder import Decoder
-from worker.engine.linear import half_packs
+from worker.engine.linear import QUANTIZED_MAX_ROWS, half_packs
 from worker.engine.model_runner import load_model
 
 CPU = torch.device("cpu")
@@ -89,10 +90,11 @@ def test_plan_compute_picks_the_forward_and_the_weights(config: EngineConfig, de
 
 @needs_fbgemm
 @pytest.mark.parametrize(("config", "dtype", "expected"), [
-    # AVX2 alone: the int4 kernel beats float16 weights at 1-2 rows only
-    (EngineConfig(quantization="auto"), F32, ComputePlan(F32, "int4", True, 2)),
-    (EngineConfig(quantization="fp16"), F32, ComputePlan(F32, "fp16", True, 2)),
-    (EngineConfig(dtype="float32", quantization="auto"), F32, ComputePlan(F32, None, False, 32)),
+    # AVX2 alone: the int4 kernel beats float16 weights at 1-2 rows only; a float32 q8_0 head takes its tiles at
+    # every row count
+    (EngineConfig(quantization="auto"), F32, ComputePlan(F32, "int4", True, 2, 0)),
+    (EngineConfig(quantization="fp16"), F32, ComputePlan(F32, "fp16", True, 2, 0)),
+    (EngineConfig(dtype="float32", quantization="auto"), F32, ComputePlan(F32, None, False, 32, 0)),
     (EngineConfig(dtype="bfloat16", quantization="auto"), BF16, ComputePlan(BF16, "int4", True, 8)),
 ])
 def test_float32_plans_on_avx2_keep_int4_for_two_rows(config: EngineConfig, dtype: torch.dtype,
@@ -103,16 +105,16 @@ def test_float32_plans_on_avx2_keep_int4_for_two_rows(config: EngineConfig, dtyp
 @needs_fbgemm
 @pytest.mark.parametrize(("config", "dtype", "flags", "expected"), [
     # where torch's int4 kernel is its AVX2 one, int4 runs on tokenspool's operators
-    (EngineConfig(quantization="auto"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 2)),
-    (EngineConfig(quantization="int4"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 2)),
+    (EngineConfig(quantization="auto"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 2, 0)),
+    (EngineConfig(quantization="int4"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "q4_1", True, 2, 0)),
     (EngineConfig(dtype="bfloat16", quantization="auto"), BF16, AVX2 | {"f16c"}, ComputePlan(BF16, "q4_1", True, 8)),
     # with AVX-512 torch's kernel stays under bf16, float32 takes the operators; other quantisations never change
     (EngineConfig(quantization="auto"), F32, AVX512 | {"fma", "f16c"}, ComputePlan(F32, "q4_1", True, 2)),
     (EngineConfig(quantization="auto"), BF16, AVX512 | {"fma", "f16c"}, ComputePlan(BF16, "int4", True, 8)),
-    (EngineConfig(quantization="int8"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "int8", True, 2)),
-    (EngineConfig(quantization="fp16"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "fp16", True, 2)),
+    (EngineConfig(quantization="int8"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "int8", True, 2, 0)),
+    (EngineConfig(quantization="fp16"), F32, AVX2 | {"f16c"}, ComputePlan(F32, "fp16", True, 2, 0)),
     # no F16C (the operator widens float16 scales with it): torch's kernel
-    (EngineConfig(quantization="auto"), F32, AVX2, ComputePlan(F32, "int4", True, 2)),
+    (EngineConfig(quantization="auto"), F32, AVX2, ComputePlan(F32, "int4", True, 2, 0)),
 ])
 def test_int4_takes_the_own_operators_under_float32_or_where_torchs_kernel_is_avx2(
         config: EngineConfig, dtype: torch.dtype, flags: frozenset[str], expected: ComputePlan) -> None:
@@ -176,6 +178,13 @@ def test_default_on_a_cpu_without_fast_bf16_runs_the_decoder_in_float32_with_int
     assert qkv.layout() == ("tiles" if int4 == "q4_1" else "half" if half else "plain")
     assert qkv.dense_weight().dtype == torch.float32
     assert qkv.scales.dtype == (torch.float16 if int4 == "q4_1" else torch.bfloat16)
+    head = decoder.lm_head
+    assert head.max_rows == (compute.head_max_rows if head.quantization == "q8_0" else QUANTIZED_MAX_ROWS)
+
+
+def test_a_float32_q8_0_head_takes_its_tiles_at_every_row_count_on_avx2_only_cpus() -> None:
+    assert head_max_rows(F32, AVX2) == 0
+    assert head_max_rows(F32, AVX512) == head_max_rows(BF16, AVX2) == head_max_rows(BF16, AVX512) == 4
 
 
 F32_Q4 = ComputePlan(dtype=torch.float32, quantization="q4_1", own_decoder=True, quantized_max_rows=2)

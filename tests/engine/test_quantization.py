@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.engine.helpers import needs_fbgemm, this_cpus_int4
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.attention import PagedContext
+from worker.engine.config import HEAD_MAX_ROWS
 from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.decoder import Decoder
 from worker.engine.linear import (
@@ -294,14 +295,15 @@ def teacher_forced_decode(decoder: Decoder, runner: ModelRunner, ids: list[int])
 # "decode" one position per step (the weight-only kernels); measured numbers in the test's docstring.
 # int4 and q4_1 cases run as the engine does where tokenspool's operators are built (the LM head in q8_0, the fused
 # small steps); "int4 torch-head" without them; "kv16" over a float16 KV cache (a float32 engine's with quantised
-# weights: config.pick_kv_dtype).
+# weights: config.pick_kv_dtype); "head-tiles" with the q8_0 head on its tiles at one row too (16-bit activations:
+# config.head_max_rows, a float32 engine's on AVX2-only CPUs).
 QUALITY_CASES = [(torch.bfloat16, None, "prefill"), (torch.bfloat16, "int8", "prefill"),
                  (torch.bfloat16, "int4", "prefill"), (torch.bfloat16, "int4", "decode"),
                  (torch.bfloat16, "int4 torch-head", "decode"),
                  (torch.float32, "int4", "prefill"), (torch.float32, "int4", "decode"),
                  (torch.bfloat16, "q4_1", "decode"), (torch.float32, "q4_1", "decode"),
                  (torch.float32, "q4_1", "prefill"),
-                 (torch.float32, "q4_1 kv16", "decode"),
+                 (torch.float32, "q4_1 kv16", "decode"), (torch.float32, "q4_1 head-tiles", "decode"),
                  (torch.float32, "fp16", "prefill"), (torch.float32, "fp16", "decode")]
 
 
@@ -338,7 +340,9 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
     total = sum(len(ids) - 1 for ids in texts)
     for dtype, case_name, forward in QUALITY_CASES:
         quantization = case_name.split()[0] if case_name else None
-        decoder = Decoder(source, dtype, quantization, kernels=case_name in ("int4", "q4_1", "q4_1 kv16"))
+        decoder = Decoder(source, dtype, quantization, kernels=case_name in ("int4", "q4_1", "q4_1 kv16",
+                                                                              "q4_1 head-tiles"),
+                          head_max_rows=0 if case_name == "q4_1 head-tiles" else HEAD_MAX_ROWS)
         runner = kv16 if case_name == "q4_1 kv16" else runners[dtype]
         score = teacher_forced if forward == "prefill" else teacher_forced_decode
         agree, nll = 0, 0.0

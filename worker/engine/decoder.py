@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from worker.engine.attention import PagedContext, paged_attention
+from worker.engine.config import HEAD_MAX_ROWS
 from worker.engine.decode_layers import LayerStack, run_stack, stack_layers
 from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, keeps_half, prepacks
 from worker.engine.pointwise import Pointwise, make_pointwise
@@ -85,9 +86,10 @@ def head_quantization(quantization: str | None, dtype: torch.dtype, device: torc
     tokenspool's C++ operators are loaded (``decode_kernel.load_decode_kernel``).
 
     - with the operators, q8_0 (GGUF's own head format, so a Q8_0 head comes back exactly) through
-      ``tokenspool::int8_linear`` up to 4 rows, the dense head beyond (under float32 ``q8_0_rows``' tiles): SmolLM2's
-      head at one row 0.9-1.0 ms against 1.96-2.6 for prepacked bf16 and 1.7-1.9 for float16 (fbgemm); ahead
-      through 4 rows (AMD EPYC Zen 4).
+      ``tokenspool::int8_linear`` up to ``head_max_rows`` rows (``config.head_max_rows``: 4, none under float32 on
+      AVX2-only CPUs), the dense head beyond (under float32 ``q8_0_rows``' tiles): SmolLM2's head at one row 0.9-1.0
+      ms against 1.96-2.6 for prepacked bf16 and 1.7-1.9 for float16 (fbgemm); ahead through 4 rows (AMD EPYC
+      Zen 4).
     - else bf16 on a CPU: prepacked bf16 alone; at one row it ran 2.1 ms against torch's int8 kernel's 2.4 (SmolLM2's
       49152 x 576, EPYC) and agreed with the float32 head's top token more often (97.3% vs 96.0% of 2,048 positions).
     - float32 with fbgemm: float16 weights, float32 activations (2.7 ms against the int8 kernel's 3.9 at one row,
@@ -112,7 +114,8 @@ class Decoder(nn.Module):
     (``pointwise.py``)."""
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, quantization: str | None = None,
-                 max_rows: int = QUANTIZED_MAX_ROWS, kernels: bool = False, compiled: bool = False) -> None:
+                 max_rows: int = QUANTIZED_MAX_ROWS, kernels: bool = False, compiled: bool = False,
+                 head_max_rows: int = HEAD_MAX_ROWS) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason is not None:
@@ -133,7 +136,8 @@ class Decoder(nn.Module):
         kind = "operators" if operators else "compiled" if compiled else "eager"
         self.ops: Pointwise = make_pointwise(kind, self.eps, self.embed.device)
         head = head_quantization(quantization, dtype, self.embed.device, kernels)
-        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head)
+        self.lm_head = PackedLinear(model.lm_head.weight, None, dtype, head,
+                                    max_rows=head_max_rows if head == "q8_0" else QUANTIZED_MAX_ROWS)
         # On the operators, steps of few decodes run every layer in one C++ call (``decode_layers.py``).
         self.stack: LayerStack | None = None
         if operators:

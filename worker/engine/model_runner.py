@@ -88,7 +88,7 @@ def load_model(config: EngineConfig, folder: Path, device: torch.device, dtype: 
     if not compute.own_decoder:
         return model.to(dtype), None, compute
     decoder = Decoder(model, dtype, compute.quantization, compute.quantized_max_rows, kernels=kernels(),
-                      compiled=pick_compile_pointwise(config, device))
+                      compiled=pick_compile_pointwise(config, device), head_max_rows=compute.head_max_rows)
     return decoder, decoder, compute
 
 
