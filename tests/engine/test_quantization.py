@@ -321,7 +321,8 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
     RoPE and SiLU, each rounded once) 99.3%, perplexity 6.96; with torch's ops and the bf16 head 97.0% and 6.96.
     float16 weights with float32 activations, and q4_1 with float32 activations (16-bit integer activations in the
     operator: 100%, perplexity 6.899 against 6.900, AMD EPYC Zen 3; over a float16 KV cache 100%, 6.899, Xeon),
-    keep >= 99.5% (``NEAR_EXACT_MIN_AGREEMENT``).
+    keep >= 99.5% (``NEAR_EXACT_MIN_AGREEMENT``); so does the q8_0 head on its tiles at one row (16-bit activations:
+    100%, perplexity 6.899, AMD EPYC Zen 1).
     Prefill rows run the dense de-quantised weights, decode rows the weight-only kernels with bf16 activations;
     float32 q4_1 prefill rows run ``q4_1_rows`` (activations rounded to 8 bits per group of 32, llama.cpp's Q8_1
     rounding): 99.3%, perplexity 6.86 (AMD EPYC Zen 3), held to the bf16 bar of 97%."""
