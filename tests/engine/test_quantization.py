@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.engine.helpers import needs_fbgemm, this_cpus_int4
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.attention import PagedContext
-from worker.engine.config import HEAD_MAX_ROWS
 from worker.engine.decode_kernel import load_decode_kernel
 from worker.engine.decoder import Decoder
 from worker.engine.linear import (
@@ -343,7 +342,7 @@ def test_smollm2_bf16_int8_int4_keep_float32_choices_and_perplexity(smollm2: Pat
         quantization = case_name.split()[0] if case_name else None
         decoder = Decoder(source, dtype, quantization, kernels=case_name in ("int4", "q4_1", "q4_1 kv16",
                                                                               "q4_1 head-tiles"),
-                          head_max_rows=0 if case_name == "q4_1 head-tiles" else HEAD_MAX_ROWS)
+                          head_max_rows=0 if case_name == "q4_1 head-tiles" else QUANTIZED_MAX_ROWS)
         runner = kv16 if case_name == "q4_1 kv16" else runners[dtype]
         score = teacher_forced if forward == "prefill" else teacher_forced_decode
         agree, nll = 0, 0.0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES, dense_linear, keeps_half, prepack
+from worker.engine.linear import QUANTIZED_COMPUTE_DTYPES, QUANTIZED_MAX_ROWS, dense_linear, keeps_half, prepack
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,12 @@ OWN_INT4_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # 11.8-13.3 / 9.4-11.1 at four (AMD EPYC Zen 3, two runs, alternating passes), so 2.
 QUANTIZED_MAX_ROWS_Q4_1 = 2
 # A GGUF Q8_0 LM head (SmolLM2's 49152 x 576) takes ``int8_linear`` (its codes widened to float32 weights, float32
-# FMAs) for calls of up to this many rows, ``q8_0_rows``' tiles (16-bit activations, integer multiply-adds) beyond:
-# 4 where measured so (Zen 4: 0.9-1.0 ms at one row, at the memory's rate). Under float32 on a CPU with AVX2 and no
-# AVX-512 the tiles win from one row: 2.21 against 2.85 ms at one, 2.75 / 3.44 at two, 4.60 / 5.46 at four (AMD EPYC
-# Zen 1, the head streaming from memory, 2 threads), where widening a code to float32 costs more than an integer
-# multiply-add; at the memory's rate both read the same codes.
-HEAD_MAX_ROWS, HEAD_MAX_ROWS_FLOAT32_AVX2 = 4, 0
+# FMAs) for calls of up to ``linear.QUANTIZED_MAX_ROWS`` (4) rows, ``q8_0_rows``' tiles (16-bit activations,
+# integer multiply-adds) beyond, where measured so (Zen 4: 0.9-1.0 ms at one row, at the memory's rate). Under
+# float32 on a CPU with AVX2 and no AVX-512 the tiles win from one row: 2.21 against 2.85 ms at one, 2.75 / 3.44 at
+# two, 4.60 / 5.46 at four (AMD EPYC Zen 1, the head streaming from memory, 2 threads), where widening a code to
+# float32 costs more than an integer multiply-add; at the memory's rate both read the same codes.
+HEAD_MAX_ROWS_FLOAT32_AVX2 = 0
 
 
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
@@ -227,7 +227,7 @@ class ComputePlan:
     quantization: str | None  # "int8"/"int4"/"q4_1": weight-only kernels for calls of a few rows (``linear.py``)
     own_decoder: bool  # the engine's fused decoder (``decoder.py``); False: transformers' own forward
     quantized_max_rows: int = QUANTIZED_MAX_ROWS_BF16  # calls of up to this many rows take the weight-only kernels
-    head_max_rows: int = HEAD_MAX_ROWS  # a q8_0 LM head's calls of up to this many rows take ``int8_linear``
+    head_max_rows: int = QUANTIZED_MAX_ROWS  # a q8_0 LM head's calls of up to this many rows take ``int8_linear``
 
 
 @dataclass(frozen=True)
@@ -384,9 +384,10 @@ def quantized_max_rows(dtype: torch.dtype, flags: frozenset[str], half: bool, qu
 
 
 def head_max_rows(dtype: torch.dtype, flags: frozenset[str]) -> int:
-    """Rows up to which a q8_0 LM head takes ``int8_linear`` before its tiles (``HEAD_MAX_ROWS``)."""
+    """Rows up to which a q8_0 LM head takes ``int8_linear`` before its tiles (``linear.QUANTIZED_MAX_ROWS``, or
+    ``HEAD_MAX_ROWS_FLOAT32_AVX2``)."""
     avx2_only = "avx2" in flags and not flags >= AVX512_CPU_FLAGS
-    return HEAD_MAX_ROWS_FLOAT32_AVX2 if dtype == torch.float32 and avx2_only else HEAD_MAX_ROWS
+    return HEAD_MAX_ROWS_FLOAT32_AVX2 if dtype == torch.float32 and avx2_only else QUANTIZED_MAX_ROWS
 
 
 def plan_compute(config: EngineConfig, device: torch.device, dtype: torch.dtype, unsupported: str | None,

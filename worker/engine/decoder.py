@@ -24,7 +24,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from worker.engine.attention import PagedContext, paged_attention
-from worker.engine.config import HEAD_MAX_ROWS
 from worker.engine.decode_layers import LayerStack, run_stack, stack_layers
 from worker.engine.linear import QUANTIZED_MAX_ROWS, PackedLinear, keeps_half, prepacks
 from worker.engine.pointwise import Pointwise, make_pointwise
@@ -115,7 +114,7 @@ class Decoder(nn.Module):
 
     def __init__(self, model: PreTrainedModel, dtype: torch.dtype, quantization: str | None = None,
                  max_rows: int = QUANTIZED_MAX_ROWS, kernels: bool = False, compiled: bool = False,
-                 head_max_rows: int = HEAD_MAX_ROWS) -> None:
+                 head_max_rows: int = QUANTIZED_MAX_ROWS) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason is not None:
